@@ -1,0 +1,47 @@
+"""Dependencies of the ``flowseam`` distribution, computed at build time.
+
+``flowseam`` depends on ``flowseam-cpu`` so that a plain ``pip install flowseam`` has a working CPU
+path, while the cpu backend stays a separate distribution found only through the
+``flowseam.plugins`` entry-point group. ``flowseam-cpu`` does *not* depend on ``flowseam`` (it is
+only ever imported by flowseam's plugin loader), so there is no packaging cycle.
+
+Built from a checkout (``pip install ./core``), ``plugins/cpu`` sits next to ``core``; the
+requirement then points at that directory so that pip installs the checkout's backend instead of
+looking for it on an index. Built from an sdist, it is an ordinary version requirement.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+
+HERE = Path(__file__).resolve().parent
+VERSION = "0.1.0"
+
+
+def _plugin(name: str, dist: str) -> str:
+    local = HERE.parent / "plugins" / name
+    if (local / "pyproject.toml").is_file():
+        return f"{dist} @ {local.as_uri()}"
+    return f"{dist}=={VERSION}"
+
+
+setup(
+    install_requires=[
+        "pluggy>=1.5",
+        "numpy>=1.24",
+        "torch>=2.4",
+        "diffusers>=0.35",
+        "transformers>=4.51",
+        "accelerate>=1.0",
+        "safetensors>=0.4",
+        "huggingface_hub>=0.34",
+        "ftfy>=6",
+        "tqdm>=4.66",
+        _plugin("cpu", "flowseam-cpu"),
+    ],
+    extras_require={
+        "cuda": [_plugin("cuda", "flowseam-cuda")],
+        "accel": [_plugin("accel", "flowseam-accel")],
+        "test": ["pytest>=8"],
+    },
+)

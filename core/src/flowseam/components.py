@@ -1,0 +1,106 @@
+"""ComponentSpec (what to build) and the shared loader backends use to instantiate it."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import FlowseamError
+
+#: Component kinds flowseam's cards use. Cards may add others (e.g. ``"image_encoder"``).
+KINDS = ("dit", "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor")
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """Where one component's weights are and which class loads them.
+
+    :param name: the component's name in the pipeline (``"transformer"``, ``"vae"``, ...).
+    :param cls: dotted path of the class, e.g. ``"diffusers.WanTransformer3DModel"`` or
+        ``"transformers.UMT5EncoderModel"``.
+    :param path: a diffusers-format checkpoint directory (weights under ``subfolder``), or None
+        to build from ``config`` with random weights.
+    :param subfolder: the component's folder inside ``path`` (``"transformer"``).
+    :param config: constructor config when ``path`` is None.
+    :param dtype: the dtype the card asks for (``"float32"``, ``"bfloat16"``), or None to let
+        the backend choose.
+    """
+
+    name: str
+    cls: str
+    path: str | None = None
+    subfolder: str | None = None
+    config: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is None and self.config is None:
+            raise ValueError(f"ComponentSpec {self.name!r}: give a checkpoint path or a config")
+
+    def describe(self) -> str:
+        where = f"{self.path}/{self.subfolder}" if self.path and self.subfolder else (self.path or "config")
+        return f"{self.name} ({self.cls} from {where})"
+
+
+def import_class(dotted: str) -> type:
+    """Import ``"package.module.Class"`` or ``"package.Class"``.
+
+    :raises FlowseamError: naming the path when it cannot be imported.
+    """
+    module, _, attr = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise FlowseamError(f"cannot import component class {dotted!r}: {exc}") from exc
+
+
+def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> Any:
+    """Build ``spec`` with its real class, on torch ``device`` in ``dtype``.
+
+    Loads ``cls.from_pretrained(path, subfolder=...)`` for a checkpoint (diffusers models,
+    transformers models, tokenizers and processors alike), or instantiates from ``config``.
+    ``torch.nn.Module`` results are moved to ``device``/``dtype`` and put in eval mode.
+
+    :param device: a torch device string (``"cpu"``, ``"cuda:0"``).
+    :param dtype: a ``torch.dtype`` or None to keep the checkpoint's dtype.
+    :raises FlowseamError: if the class cannot be imported or the checkpoint folder is missing.
+    """
+    import torch
+
+    cls = import_class(spec.cls)
+    if spec.path is not None:
+        folder = Path(spec.path) / (spec.subfolder or "")
+        if not folder.is_dir():
+            raise FlowseamError(f"component {spec.name!r}: checkpoint folder {folder} does not exist")
+        kwargs: dict[str, Any] = {}
+        if spec.subfolder:
+            kwargs["subfolder"] = spec.subfolder
+        obj = cls.from_pretrained(spec.path, **kwargs)
+    elif hasattr(cls, "from_config") and not hasattr(cls, "config_class"):
+        obj = cls.from_config(spec.config)  # diffusers
+    elif getattr(cls, "config_class", None) is not None:
+        obj = cls(cls.config_class(**spec.config))  # transformers
+    else:
+        obj = cls(**spec.config)
+    if isinstance(obj, torch.nn.Module):
+        obj = obj.to(device=device, dtype=dtype) if dtype is not None else obj.to(device)
+        obj.eval()
+    return obj
+
+
+@dataclass(frozen=True)
+class ComponentRecord:
+    """Where a component was built and why there.
+
+    :ivar fallback: True when it was built on a later device of the chain than the first.
+    :ivar reason: why it is not on the first device (empty when it is).
+    """
+
+    kind: str
+    name: str
+    device: str
+    plugin: str
+    fallback: bool
+    reason: str = ""

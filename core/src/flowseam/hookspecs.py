@@ -1,0 +1,136 @@
+"""The hooks a flowseam plugin may implement.
+
+A plugin is a module (or object) exposed under the ``flowseam.plugins`` entry-point group::
+
+    [project.entry-points."flowseam.plugins"]
+    mybackend = "flowseam_mybackend.plugin"
+
+whose functions are marked with :data:`flowseam.hookimpl`. Every hook is optional. Hooks are
+called while plugins are discovered and while a :class:`~flowseam.Platform` is built, once per
+plugin; they are never called during denoising. Each hook is called on *one plugin at a time*
+(the loader needs to know which plugin answered), so ``firstresult`` only matters to code that
+calls ``pm.hook.<name>(...)`` directly; it is stated for each hook all the same.
+
+An implementation whose name is not listed here, or that takes an argument its spec does not
+have, is rejected: the plugin is marked ``broken`` and skipped (an error in strict mode).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .components import ComponentSpec
+    from .declarations import Availability, BackendInfo, KernelRegistration
+
+PROJECT = "flowseam"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec(firstresult=True)
+def flowseam_backend() -> BackendInfo | None:
+    """Declare that this plugin is a backend, and for which device.
+
+    Called once when the plugin is discovered. Plugins that only add training methods or
+    rewards do not implement it.
+
+    :returns: a :class:`flowseam.BackendInfo` (``device``, ``priority``, ``description``), or
+        None. The backend's name is the plugin's entry-point name. ``Platform.detect()`` picks
+        the available backend with the highest ``priority`` (ties broken by name); the cpu
+        backend declares priority 0.
+    """
+
+
+@hookspec(firstresult=True)
+def flowseam_backend_available() -> Availability | None:
+    """Say whether this backend can run in this process, and why not if it cannot.
+
+    Called once at discovery, only on plugins that declared a backend. It must not fail on a
+    machine without the hardware: return ``Availability(False, "no CUDA device visible")``
+    instead. An exception raised here marks the plugin ``broken`` (with its traceback).
+
+    :returns: a :class:`flowseam.Availability`; None means available.
+    """
+
+
+@hookspec(firstresult=True)
+def flowseam_arch_chain() -> Sequence[str] | None:
+    """Detect the arch rungs of this backend's device, most specific first.
+
+    Called once when a Platform that uses this backend's device is built (only if the backend is
+    available). Example: ``["sm90", "sm80", "generic"]`` on an H100. ``"generic"`` is appended
+    when missing, so every chain ends in it.
+
+    :returns: a sequence of arch names, or None for ``["generic"]``.
+    """
+
+
+@hookspec
+def flowseam_register_kernels() -> Iterable[KernelRegistration] | None:
+    """Register kernel implementations for ops in :mod:`flowseam.ops`.
+
+    Called once at discovery. Each registration names an op, the arch rung it is written for and
+    the callable, which must follow the op's contract in :mod:`flowseam.ops`. The kernels run on
+    the backend's declared device. One plugin may register an (op, arch) pair once; two plugins
+    of the same device registering the same (op, arch) are a conflict, won by the higher
+    ``priority`` and then the smaller plugin name, and reported in ``platform.conflicts``.
+
+    :returns: an iterable of :class:`flowseam.KernelRegistration`, or None.
+    """
+
+
+@hookspec
+def flowseam_component_kinds() -> Iterable[str] | None:
+    """Declare the component kinds (``"dit"``, ``"vae"``, ``"text_encoder"``, ...) this backend
+    can build on its device; ``"*"`` means every kind (the cpu backend declares it).
+
+    Called once at discovery. A kind that no plugin of a device declares falls back to the next
+    device of the chain (ultimately ``cpu``), and the platform records that fallback.
+
+    :returns: an iterable of kind names, or None.
+    """
+
+
+@hookspec(firstresult=True)
+def flowseam_build_component(kind: str, spec: ComponentSpec, device: str) -> torch.nn.Module | None:
+    """Build one model component of ``kind`` on ``device``, or return None to decline.
+
+    Called by ``platform.build_component`` while a model is loaded, once per (component,
+    device) along the device chain, only on plugins that declared ``kind`` in
+    :func:`flowseam_component_kinds` for ``device``; never during denoising. The first
+    non-None result wins; declining moves on to the next plugin, then the next device.
+
+    :param kind: ``"dit"``, ``"vae"``, ``"text_encoder"``, ...
+    :param spec: where the weights are and which class loads them.
+    :param device: the flowseam device this backend is asked to serve (its declared device).
+    :returns: a ``torch.nn.Module`` (or a tokenizer/processor object for non-module kinds), or
+        None. An exception propagates to the caller: a component that should build and does
+        not is an error, not a fallback.
+    """
+
+
+@hookspec
+def flowseam_training_methods() -> Mapping[str, Any] | None:
+    """Register training methods by name (``"finetune"``, ``"flowgrpo"``, ...).
+
+    Called once at discovery. Values are classes (or factories) implementing the training-method
+    protocol. Two plugins registering one name are a conflict, reported like kernel conflicts.
+
+    :returns: a mapping name → class, or None.
+    """
+
+
+@hookspec
+def flowseam_rewards() -> Mapping[str, Any] | None:
+    """Register reward functions by name.
+
+    Called once at discovery. A reward is a callable ``reward(prompts, outputs) -> Tensor (B,)``
+    (or a factory returning one).
+
+    :returns: a mapping name → reward, or None.
+    """

@@ -1,0 +1,227 @@
+"""Platform: the resolved choice of backend for this process.
+
+A Platform is built once from the discovered plugins: a device chain ending in ``"cpu"``
+(``accel → cpu``), an arch chain per device, a frozen :class:`~flowseam.kernels.KernelTable`,
+and a component builder that walks the device chain. Everything device-specific that loops and
+training methods need is reached through it::
+
+    platform = flowseam.Platform.detect()          # or flowseam.Platform("cpu")
+    step = platform.kernels.get(flowseam.ops.FLOW_MATCH_STEP)
+    dit = platform.build_component("dit", spec)
+    print(platform.explain())
+
+It serializes (``to_dict`` / ``from_dict``, and pickling) so that a worker process gets the same
+implementation ids without scanning entry points again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .components import ComponentRecord, ComponentSpec
+from .declarations import Provenance
+from .errors import BackendUnavailableError, ComponentBuildError, FlowseamError
+from .kernels import BoundKernel, KernelTable
+from .plugins import PluginRecord, PluginRegistry, discover, load_without_discovery
+
+TERMINAL_DEVICE = "cpu"
+
+
+def _describe_backends(reg: PluginRegistry) -> str:
+    lines = []
+    for r in sorted(reg.records.values(), key=lambda r: r.name):
+        if r.backend is None and r.status in ("available", "unavailable"):
+            continue  # method/reward-only plugins are not backends
+        why = f": {r.reason}" if r.reason else ""
+        dev = f" device={r.device}" if r.device else ""
+        lines.append(f"  {r.name} ({r.distribution} {r.version}){dev} — {r.status}{why}")
+    return "\n".join(lines) if lines else "  (no flowseam plugins are installed)"
+
+
+class Platform:
+    """The backend choice of this process. See the module docstring.
+
+    :param name: a backend's plugin name (``"cpu"``, ``"accel"``, ``"cuda"``) or its device name.
+    :param registry: the plugin registry to use (default: :func:`flowseam.plugins.discover`).
+    :raises BackendUnavailableError: if ``name`` is unknown, blocked, broken or unavailable; the
+        message lists every backend and why each unusable one is unusable.
+    """
+
+    def __init__(self, name: str, *, registry: PluginRegistry | None = None,
+                 _arch_chains: dict[str, tuple[str, ...]] | None = None) -> None:
+        reg = registry if registry is not None else discover()
+        record = self._find(reg, name)
+        self._registry = reg
+        self.backend: PluginRecord = record
+        self.name: str = record.name
+        self.device: str = record.device  # type: ignore[assignment]
+        chain = [record.device]
+        if record.device != TERMINAL_DEVICE:
+            chain.append(TERMINAL_DEVICE)
+        self.device_chain: tuple[str, ...] = tuple(chain)
+        self._serving = {d: ([record] + [r for r in reg.serving(d) if r is not record]
+                             if d == record.device else reg.serving(d))
+                         for d in self.device_chain}
+        self.arch_chains: dict[str, tuple[str, ...]] = (
+            {d: tuple(_arch_chains[d]) for d in self.device_chain} if _arch_chains is not None
+            else {d: self._detect_arch_chain(d) for d in self.device_chain})
+        self.kernels = KernelTable(self._kernel_candidates(), self.device_chain, self.arch_chains)
+        self.conflicts = self.kernels.conflicts
+        self.components: list[ComponentRecord] = []
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def detect(cls, *, registry: PluginRegistry | None = None) -> "Platform":
+        """The highest-priority available backend (ties broken by name).
+
+        :raises BackendUnavailableError: if no backend is available.
+        """
+        reg = registry if registry is not None else discover()
+        for r in reg.backends():
+            if r.usable:
+                return cls(r.name, registry=reg)
+        raise BackendUnavailableError("no flowseam backend is available:\n" + _describe_backends(reg))
+
+    @staticmethod
+    def _find(reg: PluginRegistry, name: str) -> PluginRecord:
+        rec = reg.records.get(name)
+        if rec is None or rec.backend is None:
+            by_device = [r for r in reg.backends() if r.device == name and r.usable]
+            if by_device:
+                return by_device[0]
+            raise BackendUnavailableError(
+                f"unknown flowseam backend {name!r}; backends:\n{_describe_backends(reg)}")
+        if not rec.usable:
+            raise BackendUnavailableError(
+                f"flowseam backend {name!r} is {rec.status}: {rec.reason}\nbackends:\n"
+                f"{_describe_backends(reg)}")
+        return rec
+
+    def _detect_arch_chain(self, device: str) -> tuple[str, ...]:
+        serving = self._serving[device]
+        chain = list(self._registry.call(serving[0], "flowseam_arch_chain") or ()) if serving else []
+        if not all(isinstance(a, str) and a for a in chain):
+            raise FlowseamError(f"plugin {serving[0].name!r} returned arch chain {chain!r}; "
+                                "expected a list of non-empty strings")
+        if "generic" not in chain:
+            chain.append("generic")
+        return tuple(chain)
+
+    def _kernel_candidates(self):
+        for device in self.device_chain:
+            archs = set(self.arch_chains[device])
+            for rec in self._serving[device]:
+                for k in rec.kernels:
+                    if k.arch in archs:
+                        prov = Provenance(k.op, rec.name, rec.distribution, rec.version, device, k.arch)
+                        yield BoundKernel(k.fn, prov), rec.priority
+
+    # -- components ------------------------------------------------------------------------
+    def build_component(self, kind: str, spec: ComponentSpec) -> Any:
+        """Build a component of ``kind`` along the device chain and record where it landed.
+
+        The first plugin (priority order) serving a device that declares ``kind`` and does not
+        decline builds it; a kind no plugin of the first device serves falls back to the next
+        device (ultimately cpu), and :attr:`components` records that fallback and why.
+
+        :raises ComponentBuildError: if no plugin on the chain builds ``kind``; the message says
+            what each device answered.
+        """
+        reasons: list[str] = []
+        for i, device in enumerate(self.device_chain):
+            plugins = [r for r in self._serving[device] if r.builds(kind)]
+            if not plugins:
+                reasons.append(f"no plugin serving {device!r} builds {kind!r}")
+                continue
+            for rec in plugins:
+                obj = self._registry.call(rec, "flowseam_build_component",
+                                          kind=kind, spec=spec, device=device)
+                if obj is not None:
+                    self.components.append(ComponentRecord(
+                        kind=kind, name=spec.name, device=device, plugin=rec.name,
+                        fallback=i > 0, reason="; ".join(reasons)))
+                    return obj
+                reasons.append(f"plugin {rec.name!r} declined {kind!r} on {device!r}")
+        raise ComponentBuildError(
+            f"cannot build component {spec.describe()} of kind {kind!r} on device chain "
+            f"{' → '.join(self.device_chain)}: " + "; ".join(reasons))
+
+    def component_plan(self, kind: str) -> tuple[str, str, bool]:
+        """(device, plugin, fallback) that would first be asked to build ``kind``."""
+        for i, device in enumerate(self.device_chain):
+            for rec in self._serving[device]:
+                if rec.builds(kind):
+                    return device, rec.name, i > 0
+        return "-", "-", True
+
+    # -- reporting -------------------------------------------------------------------------
+    @property
+    def arch_chain(self) -> tuple[str, ...]:
+        """The arch chain of the first device, most specific first, ending in ``"generic"``."""
+        return self.arch_chains[self.device_chain[0]]
+
+    def explain(self) -> str:
+        """A readable table of every op and component resolution, conflicts and fallbacks."""
+        b = self.backend
+        lines = [
+            f"Platform: backend {self.name!r} ({b.distribution} {b.version}), "
+            f"device chain {' → '.join(self.device_chain)}",
+            "arch chains: " + "; ".join(f"{d}: {' → '.join(a)}" for d, a in self.arch_chains.items()),
+            "",
+            f"{'op':<18}{'device/arch':<20}{'plugin':<12}{'fallback':<10}impl_id",
+        ]
+        first = self.device_chain[0]
+        for op, k in self.kernels.resolved().items():
+            p = k.provenance
+            lines.append(f"{op:<18}{p.device + '/' + p.arch:<20}{p.plugin:<12}"
+                         f"{'yes' if p.device != first else 'no':<10}{p.impl_id}")
+        lines += ["", f"{'component':<16}{'kind':<16}{'device':<10}{'plugin':<12}{'fallback':<10}why"]
+        for c in self.components:
+            lines.append(f"{c.name:<16}{c.kind:<16}{c.device:<10}{c.plugin:<12}"
+                         f"{'yes' if c.fallback else 'no':<10}{c.reason}")
+        if not self.components:
+            kinds = sorted({k for d in self.device_chain for r in self._serving[d]
+                            for k in r.component_kinds if k != "*"} | {"dit", "vae", "text_encoder"})
+            for kind in kinds:
+                device, plugin, fb = self.component_plan(kind)
+                lines.append(f"{'(planned)':<16}{kind:<16}{device:<10}{plugin:<12}"
+                             f"{'yes' if fb else 'no':<10}"
+                             f"{'' if not fb else f'no plugin serving {first!r} builds {kind!r}'}")
+        if self.conflicts:
+            lines += ["", "conflicts:"] + [f"  {c}" for c in self.conflicts]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Platform {self.name!r} chain={'→'.join(self.device_chain)} arch={'→'.join(self.arch_chain)}>"
+
+    # -- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable description from which :meth:`from_dict` rebuilds this platform
+        in another process, with the same implementation ids and no entry-point scan."""
+        plugins = {r.name: r for d in self.device_chain for r in self._serving[d]}
+        return {
+            "backend": self.name,
+            "device_chain": list(self.device_chain),
+            "arch_chains": {d: list(a) for d, a in self.arch_chains.items()},
+            "plugins": [{"name": r.name, "value": r.value, "distribution": r.distribution,
+                         "version": r.version} for r in plugins.values()],
+            "kernels": {op: k.impl_id for op, k in self.kernels.resolved().items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Platform":
+        """Rebuild a platform from :meth:`to_dict` output without discovering plugins.
+
+        :raises PluginLoadError: if a plugin of the platform cannot be imported here.
+        :raises FlowseamError: if the rebuilt kernel table differs from the serialized one.
+        """
+        reg = load_without_discovery(data["plugins"])
+        arch = {d: tuple(a) for d, a in data["arch_chains"].items()}
+        platform = cls(data["backend"], registry=reg, _arch_chains=arch)
+        got = {op: k.impl_id for op, k in platform.kernels.resolved().items()}
+        if got != data["kernels"]:
+            raise FlowseamError(f"rebuilt platform resolves {got}, expected {data['kernels']}")
+        return platform
+
+    def __reduce__(self):
+        return (Platform.from_dict, (self.to_dict(),))

@@ -1,0 +1,293 @@
+"""Discovery: load every plugin of the ``flowseam.plugins`` entry-point group, one at a time.
+
+Each plugin is imported, registered with a pluggy ``PluginManager`` (which validates its hook
+signatures), checked for unknown hook names, asked for its declarations (backend, kernels,
+component kinds, methods, rewards) and, if it is a backend, for its availability. Anything that
+raises marks *that* plugin ``broken`` with its traceback; the others keep working.
+
+Environment:
+
+- ``FLOWSEAM_PLUGINS=a,b``: allow-list of entry-point names; every other plugin is ``blocked``.
+- ``FLOWSEAM_DISABLE_PLUGINS=a,b``: block-list.
+- ``FLOWSEAM_STRICT=1``: a broken plugin raises :class:`~flowseam.PluginLoadError` naming it.
+
+Discovery runs once per process (:func:`discover` caches); pass ``refresh=True`` after changing
+the environment or ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable
+
+import pluggy
+
+from . import hookspecs, ops
+from .declarations import Availability, BackendInfo, KernelRegistration
+from .errors import PluginLoadError
+
+ENTRY_POINT_GROUP = "flowseam.plugins"
+
+#: How many times entry points were scanned in this process (a rebuilt Platform must not scan).
+DISCOVERY_SCANS = 0
+
+
+@dataclass
+class PluginRecord:
+    """Everything discovery learnt about one plugin.
+
+    ``status`` is one of ``available``, ``unavailable``, ``broken``, ``blocked`` (``active`` is
+    added by ``flowseam backends`` for the plugins the detected platform uses).
+    """
+
+    name: str
+    value: str  # "module:attr" of the entry point
+    distribution: str
+    version: str
+    status: str = "available"
+    reason: str = ""
+    traceback: str = ""
+    backend: BackendInfo | None = None
+    kernels: list[KernelRegistration] = field(default_factory=list)
+    component_kinds: tuple[str, ...] = ()
+    methods: dict[str, Any] = field(default_factory=dict)
+    rewards: dict[str, Any] = field(default_factory=dict)
+    plugin: Any = None  # the registered module/object
+
+    @property
+    def device(self) -> str | None:
+        return self.backend.device if self.backend else None
+
+    @property
+    def priority(self) -> int:
+        return self.backend.priority if self.backend else 0
+
+    def builds(self, kind: str) -> bool:
+        """Whether this plugin declared ``kind`` (or ``"*"``, every kind)."""
+        return kind in self.component_kinds or "*" in self.component_kinds
+
+    @property
+    def usable(self) -> bool:
+        return self.status == "available"
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON shape printed by ``flowseam backends --json``."""
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "status": self.status,
+            "reason": self.reason,
+            "device": self.device,
+            "priority": self.priority if self.backend else None,
+            "ops": sorted({f"{k.op}@{k.arch}" for k in self.kernels}),
+            "components": list(self.component_kinds),
+            "methods": sorted(self.methods),
+            "rewards": sorted(self.rewards),
+            "entry_point": self.value,
+            "traceback": self.traceback or None,
+        }
+
+
+class PluginRegistry:
+    """The plugins of this process: one pluggy ``PluginManager`` plus a :class:`PluginRecord`
+    per entry point (including blocked and broken ones)."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.records: dict[str, PluginRecord] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+    def usable(self) -> list[PluginRecord]:
+        return [r for r in self.records.values() if r.usable]
+
+    def backends(self) -> list[PluginRecord]:
+        """Every plugin that declared a backend, in detection order (priority desc, name)."""
+        recs = [r for r in self.records.values() if r.backend is not None]
+        return sorted(recs, key=lambda r: (-r.priority, r.name))
+
+    def serving(self, device: str) -> list[PluginRecord]:
+        """Usable plugins whose backend serves ``device``, priority desc then name."""
+        return [r for r in self.backends() if r.usable and r.device == device]
+
+    def broken(self) -> list[PluginRecord]:
+        return [r for r in self.records.values() if r.status == "broken"]
+
+    def call(self, record: PluginRecord, hook: str, **kwargs: Any) -> Any:
+        """Call one plugin's implementation of ``hook`` (None if it has none)."""
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            if impl.plugin_name == record.name:
+                return impl.function(*[kwargs[a] for a in impl.argnames])
+        return None
+
+    # -- loading ---------------------------------------------------------------------------
+    def load(self, name: str, value: str, distribution: str, version: str,
+             loader: Callable[[], Any], *, check_availability: bool = True) -> PluginRecord:
+        """Import, register, validate and interrogate one plugin; never raises for a bad plugin."""
+        rec = PluginRecord(name=name, value=value, distribution=distribution, version=version)
+        self.records[name] = rec
+        try:
+            plugin = loader()
+            self.pm.register(plugin, name=name)
+            rec.plugin = plugin
+            _reject_unknown_hooks(self.pm, plugin, name)
+            _read_declarations(self, rec)
+            if rec.backend is not None and check_availability:
+                avail = self.call(rec, "flowseam_backend_available")
+                if avail is None:
+                    avail = Availability(True, "")
+                if not isinstance(avail, tuple) or len(avail) != 2:
+                    raise TypeError(f"flowseam_backend_available() returned {avail!r}; "
+                                    "expected flowseam.Availability(ok, reason)")
+                if not avail[0]:
+                    rec.status, rec.reason = "unavailable", str(avail[1]) or "unavailable"
+        except Exception as exc:  # a bad plugin must not take the others down
+            rec.status = "broken"
+            rec.reason = f"{type(exc).__name__}: {exc}"
+            rec.traceback = traceback.format_exc()
+            if rec.plugin is not None or self.pm.has_plugin(name):
+                self.pm.unregister(name=name)
+            rec.plugin = None
+        return rec
+
+
+def _reject_unknown_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    unknown = [hc.name for hc in (pm.get_hookcallers(plugin) or []) if hc.spec is None]
+    if unknown:
+        known = sorted(n for n in dir(hookspecs) if n.startswith("flowseam_"))
+        raise pluggy.PluginValidationError(
+            plugin, f"plugin {name!r} implements unknown hook(s) {sorted(unknown)}; "
+                    f"flowseam's hooks are {known}")
+
+
+def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
+    backend = reg.call(rec, "flowseam_backend")
+    if backend is not None and not isinstance(backend, BackendInfo):
+        raise TypeError(f"flowseam_backend() returned {backend!r}; expected flowseam.BackendInfo")
+    rec.backend = backend
+
+    kernels = list(reg.call(rec, "flowseam_register_kernels") or ())
+    seen: set[tuple[str, str]] = set()
+    for k in kernels:
+        if not isinstance(k, KernelRegistration):
+            raise TypeError(f"flowseam_register_kernels() yielded {k!r}; "
+                            "expected flowseam.KernelRegistration")
+        if k.op not in ops.ALL_OPS:
+            raise ValueError(f"kernel for unknown op {k.op!r}; known ops are {list(ops.ALL_OPS)}")
+        if (k.op, k.arch) in seen:
+            raise ValueError(f"plugin registers op {k.op!r} at arch {k.arch!r} twice")
+        seen.add((k.op, k.arch))
+    if kernels and backend is None:
+        raise ValueError("plugin registers kernels but declares no backend (flowseam_backend)")
+    rec.kernels = kernels
+
+    kinds = tuple(reg.call(rec, "flowseam_component_kinds") or ())
+    if any(not isinstance(k, str) or not k for k in kinds):
+        raise TypeError(f"flowseam_component_kinds() returned {kinds!r}; expected kind names")
+    if kinds and backend is None:
+        raise ValueError("plugin declares component kinds but no backend (flowseam_backend)")
+    rec.component_kinds = kinds
+    rec.methods = dict(reg.call(rec, "flowseam_training_methods") or {})
+    rec.rewards = dict(reg.call(rec, "flowseam_rewards") or {})
+
+
+def _env_list(var: str) -> set[str] | None:
+    raw = os.environ.get(var)
+    if raw is None or not raw.strip():
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def strict_mode() -> bool:
+    return os.environ.get("FLOWSEAM_STRICT", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _entry_point_value_loader(value: str) -> Callable[[], Any]:
+    def load() -> Any:
+        module, _, attr = value.partition(":")
+        obj = importlib.import_module(module.strip())
+        for part in filter(None, attr.strip().split(".")):
+            obj = getattr(obj, part)
+        return obj
+    return load
+
+
+def scan() -> PluginRegistry:
+    """Scan the entry-point group and load every plugin (uncached). Honors the environment."""
+    global DISCOVERY_SCANS
+    DISCOVERY_SCANS += 1
+    allow = _env_list("FLOWSEAM_PLUGINS")
+    block = _env_list("FLOWSEAM_DISABLE_PLUGINS") or set()
+    reg = PluginRegistry()
+    eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    for ep in eps:
+        dist = getattr(ep, "dist", None)
+        dist_name = dist.metadata["Name"] if dist is not None else "?"
+        version = dist.version if dist is not None else "?"
+        if ep.name in reg.records:
+            rec = reg.records[ep.name]
+            rec_dup = PluginRecord(name=f"{ep.name}", value=ep.value, distribution=dist_name,
+                                   version=version, status="broken",
+                                   reason=f"entry-point name {ep.name!r} is used by both "
+                                          f"{rec.distribution} and {dist_name}")
+            reg.records[ep.name] = rec_dup
+            if reg.pm.has_plugin(ep.name):
+                reg.pm.unregister(name=ep.name)
+            continue
+        if (allow is not None and ep.name not in allow) or ep.name in block:
+            why = "not in FLOWSEAM_PLUGINS" if allow is not None and ep.name not in allow \
+                else "listed in FLOWSEAM_DISABLE_PLUGINS"
+            reg.records[ep.name] = PluginRecord(name=ep.name, value=ep.value,
+                                                distribution=dist_name, version=version,
+                                                status="blocked", reason=why)
+            continue
+        reg.load(ep.name, ep.value, dist_name, version, ep.load)
+    if strict_mode():
+        raise_if_broken(reg)
+    return reg
+
+
+def raise_if_broken(reg: PluginRegistry) -> None:
+    broken = reg.broken()
+    if broken:
+        details = "\n\n".join(f"plugin {r.name!r} ({r.distribution} {r.version}) is broken: "
+                              f"{r.reason}\n{r.traceback}" for r in broken)
+        names = ", ".join(repr(r.name) for r in broken)
+        raise PluginLoadError(f"broken flowseam plugin(s) {names} (strict mode):\n{details}")
+
+
+_CACHE: PluginRegistry | None = None
+
+
+def discover(refresh: bool = False) -> PluginRegistry:
+    """The process-wide :class:`PluginRegistry` (scanned on first use, then cached).
+
+    :raises PluginLoadError: in strict mode (``FLOWSEAM_STRICT=1``), if any plugin is broken.
+    """
+    global _CACHE
+    if _CACHE is None or refresh:
+        _CACHE = None
+        _CACHE = scan()
+    return _CACHE
+
+
+def load_without_discovery(plugins: list[dict[str, str]]) -> PluginRegistry:
+    """Rebuild a registry from a serialized plugin list (``name``, ``value``, ``distribution``,
+    ``version``) by importing each entry-point value directly: no entry-point scan and no
+    availability check. Used by :meth:`flowseam.Platform.from_dict` in worker processes.
+
+    :raises PluginLoadError: if a listed plugin cannot be loaded here.
+    """
+    reg = PluginRegistry()
+    for p in plugins:
+        rec = reg.load(p["name"], p["value"], p["distribution"], p["version"],
+                       _entry_point_value_loader(p["value"]), check_availability=False)
+        if rec.status == "broken":
+            raise PluginLoadError(f"plugin {rec.name!r} ({rec.value}) could not be loaded in this "
+                                  f"process: {rec.reason}\n{rec.traceback}")
+    return reg

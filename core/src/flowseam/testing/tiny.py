@@ -1,0 +1,345 @@
+"""Tiny, random-initialised diffusers checkpoints for tests (no download, CPU friendly).
+
+:func:`write_tiny_checkpoint` builds a complete pipeline out of the *real* diffusers and
+transformers classes, with every model shrunk to a few thousand parameters, and saves it
+with the pipeline's own ``save_pretrained`` (so ``model_index.json`` and every
+``config.json`` are written by diffusers/transformers themselves). The directory loads back
+with ``diffusers.DiffusionPipeline.from_pretrained(path)`` with ``HF_HUB_OFFLINE=1``.
+
+This module imports only torch, diffusers, transformers and the standard library; nothing
+from flowseam, so it can build fixtures for any layer of the project.
+"""
+
+import json
+import os
+import pathlib
+
+import diffusers
+import torch
+import transformers
+
+__all__ = ["CARDS", "write_tiny_checkpoint"]
+
+#: The cards :func:`write_tiny_checkpoint` knows, in a fixed order.
+CARDS = ("wan2.1-t2v", "wan2.1-i2v", "flux.1-t2i")
+
+#: Name of the small provenance file written next to ``model_index.json``.
+METADATA_FILE = "flowseam_tiny.json"
+
+# OpenAI CLIP normalisation constants (what the real Wan 2.1 I2V image processor uses).
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+# Which config dicts each card builds (= the keys accepted in ``**overrides``).
+_OVERRIDABLE = {
+    "wan2.1-t2v": ("text_encoder", "vae", "transformer", "scheduler"),
+    "wan2.1-i2v": ("text_encoder", "image_encoder", "image_processor", "vae", "transformer",
+                   "scheduler"),
+    "flux.1-t2i": ("text_encoder", "text_encoder_2", "vae", "transformer", "scheduler"),
+}
+
+
+def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: int = 0,
+                          **overrides) -> pathlib.Path:
+    """Write a tiny random diffusers pipeline for ``card`` into the directory ``path``.
+
+    The models are initialised on CPU in float32 inside ``torch.random.fork_rng`` after
+    ``torch.manual_seed(seed)``, in a fixed order, so the same ``(card, seed, overrides)``
+    always writes byte-identical weights and the caller's global CPU RNG state is left as it
+    was. Everything is saved with the real pipeline's ``save_pretrained`` (safetensors), plus
+    a ``flowseam_tiny.json`` recording ``card``, ``seed`` and ``overrides``.
+
+    Cards and what is written (default sizes):
+
+    ``"wan2.1-t2v"`` -> :class:`diffusers.WanPipeline`
+        * ``transformer``: ``WanTransformer3DModel``, 2 layers, 2 heads x 16 dims (inner 32),
+          ffn 64, patch (1, 2, 2), in/out 16 channels, text_dim 32, freq_dim 256.
+        * ``vae``: ``AutoencoderKLWan``, base_dim 8, dim_mult [1, 1, 1, 1], 1 res block,
+          z_dim 16 with Wan 2.1's real ``latents_mean``/``latents_std``; spatial factor 8,
+          temporal factor 4 (as the real VAE).
+        * ``text_encoder``: ``UMT5EncoderModel``, d_model 32, 2 layers, 4 heads x 8, d_ff 64.
+        * ``tokenizer``: ``T5Tokenizer`` (Unigram, tokenizers backend) over printable ASCII
+          (192 tokens, ``<pad>``=0, ``</s>``=1, ``<unk>``=2), model_max_length 512; built in
+          memory, no download.
+        * ``scheduler``: ``FlowMatchEulerDiscreteScheduler(shift=3.0)`` (Wan 2.1 480p shift;
+          the real checkpoint ships UniPC, here it is FlowMatchEuler on purpose).
+
+    ``"wan2.1-i2v"`` -> :class:`diffusers.WanImageToVideoPipeline`
+        As above, plus ``image_encoder``: ``CLIPVisionModelWithProjection`` (as in the real
+        Wan2.1-I2V checkpoints, so diffusers logs the same "Expected types for image_encoder"
+        notice on load; hidden 32,
+        2 layers, 4 heads, image 32 px, patch 8 -> 17 tokens), ``image_processor``:
+        ``CLIPImageProcessor`` (the PIL backend class, 32 px resize + centre crop, OpenAI CLIP
+        mean/std), and a transformer configured for Wan 2.1 I2V: ``in_channels`` = 2 * 16 + 4
+        = 36, ``image_dim`` = 32 (CLIP hidden size), ``added_kv_proj_dim`` = 32 (inner dim).
+        The pipeline needs the text length to be exactly 512 (WanAttnProcessor hard-codes it),
+        which is the pipeline's default ``max_sequence_length``.
+
+    ``"flux.1-t2i"`` -> :class:`diffusers.FluxPipeline` (FLUX.1-dev-like)
+        * ``transformer``: ``FluxTransformer2DModel``, 2 double + 2 single blocks, 2 heads x 16
+          dims, ``axes_dims_rope`` (4, 6, 6), in_channels 64 (= 16 latent channels x 2x2
+          packing), joint_attention_dim 32, pooled_projection_dim 32, guidance_embeds True.
+        * ``vae``: ``AutoencoderKL``, 4 levels of 8 channels (factor 8), 16 latent channels,
+          scaling_factor 0.3611, shift_factor 0.1159, no quant convs (as FLUX.1).
+        * ``text_encoder`` + ``tokenizer``: ``CLIPTextModel`` (hidden 32, 2 layers, 77
+          positions) + ``CLIPTokenizer`` (byte-level BPE over the 256 byte symbols, no merges,
+          514 tokens, model_max_length 77), built in memory.
+        * ``text_encoder_2`` + ``tokenizer_2``: ``T5EncoderModel`` (d_model 32, 2 layers) +
+          the same ASCII ``T5Tokenizer`` as Wan (model_max_length 512).
+        * ``scheduler``: ``FlowMatchEulerDiscreteScheduler(shift=3.0,
+          use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+          max_image_seq_len=4096)`` (FLUX.1-dev's config).
+
+    With these sizes a 2-step call at 32x32 px (Wan: 5 frames) takes well under a second on
+    two CPU cores. Height and width must be multiples of 16 for all three cards (VAE factor 8
+    times patch/packing 2); Wan ``num_frames`` must be ``4k + 1``.
+
+    Args:
+        card: one of :data:`CARDS`.
+        path: directory to write; created (with parents) if missing, must be empty if present.
+        seed: seed for ``torch.manual_seed`` before the weights are initialised.
+        **overrides: per-component config overrides, each a mapping merged into that
+            component's constructor kwargs, e.g. ``transformer={"num_layers": 3}``,
+            ``scheduler={"shift": 5.0}``, ``vae={"z_dim": 4}``. Accepted names:
+            ``text_encoder``, ``vae``, ``transformer``, ``scheduler`` (all cards),
+            ``image_encoder`` and ``image_processor`` (``wan2.1-i2v``), ``text_encoder_2``
+            (``flux.1-t2i``). Dependent sizes (the transformer's text/image/latent channel
+            dims, Flux's rope axes, the text encoders' vocab size) are re-derived from the
+            overridden configs unless overridden explicitly too.
+
+    Returns:
+        ``pathlib.Path`` of the written directory.
+
+    Raises:
+        ValueError: ``card`` is not one of :data:`CARDS` (the message names it and lists the
+            allowed cards), or an override names a component the card does not have.
+        TypeError: an override value is not a mapping (dict).
+        FileExistsError: ``path`` exists and is a non-empty directory.
+        NotADirectoryError: ``path`` exists and is not a directory.
+    """
+    if card not in CARDS:
+        raise ValueError(f"unknown card {card!r}; allowed cards: {', '.join(CARDS)}")
+    allowed = _OVERRIDABLE[card]
+    for name, value in overrides.items():
+        if name not in allowed:
+            raise ValueError(f"card {card!r} has no overridable component {name!r}; "
+                             f"allowed: {', '.join(allowed)}")
+        if not isinstance(value, dict):
+            raise TypeError(f"override {name!r} must be a dict of config values, "
+                            f"got {type(value).__name__}")
+    seed = int(seed)
+
+    out = pathlib.Path(path)
+    if out.exists():
+        if not out.is_dir():
+            raise NotADirectoryError(f"{str(out)!r} exists and is not a directory")
+        if any(out.iterdir()):
+            raise FileExistsError(f"{str(out)!r} is not empty; write tiny checkpoints into a new "
+                                  "directory")
+
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(seed)
+        pipe = _BUILDERS[card]({k: dict(v) for k, v in overrides.items()})
+
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out, safe_serialization=True)
+    meta = {"generator": "flowseam.testing.tiny", "card": card, "seed": seed,
+            "overrides": overrides}
+    text = json.dumps(meta, indent=2, sort_keys=True, default=repr)
+    (out / METADATA_FILE).write_text(text + "\n")
+    return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _merge(defaults: dict, user: dict, derived: dict | None = None) -> dict:
+    """``defaults | user``, then each ``derived[k](cfg)`` for keys the user did not set."""
+    cfg = {**defaults, **user}
+    for key, fn in (derived or {}).items():
+        if key not in user:
+            cfg[key] = fn(cfg)
+    return cfg
+
+
+def _finish(model: torch.nn.Module) -> torch.nn.Module:
+    # Only cast when a caller changed torch's default dtype (a plain .to() on Wan logs a warning).
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        model = model.to(dtype=torch.float32)
+    return model.eval()
+
+
+def _t5_tokenizer(model_max_length: int = 512):
+    """A T5 (Unigram) tokenizer over printable ASCII, built in memory."""
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    for code in range(33, 127):
+        vocab.append(("\u2581" + chr(code), -4.0))
+        vocab.append((chr(code), -3.0))
+    return transformers.T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=model_max_length)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable unicode symbol table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(
+        range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def _clip_tokenizer(model_max_length: int = 77):
+    """A byte-level CLIP BPE tokenizer with no merges (every byte is a token), in memory."""
+    symbols = list(_bytes_to_unicode().values())
+    vocab = {}
+    for s in symbols:
+        vocab[s] = len(vocab)
+    for s in symbols:
+        vocab[s + "</w>"] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return transformers.CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
+
+def _clip_image_processor(**kwargs):
+    cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    return cls(**kwargs)
+
+
+def _t5_like_config(vocab_size: int, user: dict) -> dict:
+    return _merge(
+        dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+             relative_attention_num_buckets=8, relative_attention_max_distance=32,
+             feed_forward_proj="gated-gelu", dropout_rate=0.0, layer_norm_epsilon=1e-6, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+             tie_word_embeddings=False),
+        user, {"vocab_size": lambda c: vocab_size})
+
+
+def _wan_vae(user: dict):
+    cfg = _merge(
+        dict(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
+             temperal_downsample=[False, True, True], dropout=0.0),
+        user)
+    if cfg["z_dim"] != 16:  # Wan 2.1's 16-channel statistics only fit z_dim 16
+        cfg.setdefault("latents_mean", [0.0] * cfg["z_dim"])
+        cfg.setdefault("latents_std", [1.0] * cfg["z_dim"])
+    return _finish(diffusers.AutoencoderKLWan(**cfg))
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _build_wan(ov: dict, *, i2v: bool):
+    tokenizer = _t5_tokenizer(512)
+    text_encoder = _finish(transformers.UMT5EncoderModel(
+        transformers.UMT5Config(**_t5_like_config(len(tokenizer), ov.get("text_encoder", {})))))
+
+    image_encoder = image_processor = None
+    if i2v:
+        ie_cfg = _merge(
+            dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_channels=3, image_size=32, patch_size=8,
+                 hidden_act="gelu", layer_norm_eps=1e-5, attention_dropout=0.0),
+            ov.get("image_encoder", {}))
+        image_encoder = _finish(transformers.CLIPVisionModelWithProjection(
+            transformers.CLIPVisionConfig(**ie_cfg)))
+        px = ie_cfg["image_size"]
+        image_processor = _clip_image_processor(**_merge(
+            dict(do_resize=True, size={"shortest_edge": px}, resample=3, do_center_crop=True,
+                 crop_size={"height": px, "width": px}, do_rescale=True, rescale_factor=1 / 255,
+                 do_normalize=True, image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
+                 do_convert_rgb=True),
+            ov.get("image_processor", {})))
+
+    vae = _wan_vae(ov.get("vae", {}))
+    z = vae.config.z_dim
+    text_dim = text_encoder.config.d_model
+
+    derived = {
+        "in_channels": (lambda c: 2 * z + 4) if i2v else (lambda c: z),
+        "out_channels": lambda c: z,
+        "text_dim": lambda c: text_dim,
+    }
+    if i2v:
+        derived["image_dim"] = lambda c: image_encoder.config.hidden_size
+        derived["added_kv_proj_dim"] = lambda c: c["num_attention_heads"] * c["attention_head_dim"]
+    tr_cfg = _merge(
+        dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, freq_dim=256,
+             ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+             eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024),
+        ov.get("transformer", {}), derived)
+    transformer = _finish(diffusers.WanTransformer3DModel(**tr_cfg))
+
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**_merge(
+        dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
+        ov.get("scheduler", {})))
+
+    if i2v:
+        return diffusers.WanImageToVideoPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+            image_processor=image_processor, image_encoder=image_encoder, transformer=transformer)
+    return diffusers.WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+        transformer=transformer)
+
+
+def _build_flux(ov: dict):
+    tokenizer = _clip_tokenizer(77)
+    clip_cfg = _merge(
+        dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=77, hidden_act="quick_gelu",
+             layer_norm_eps=1e-5, attention_dropout=0.0),
+        ov.get("text_encoder", {}),
+        {"vocab_size": lambda c: len(tokenizer),
+         "bos_token_id": lambda c: tokenizer.bos_token_id,
+         "eos_token_id": lambda c: tokenizer.eos_token_id,
+         "pad_token_id": lambda c: tokenizer.pad_token_id})
+    text_encoder = _finish(transformers.CLIPTextModel(transformers.CLIPTextConfig(**clip_cfg)))
+
+    tokenizer_2 = _t5_tokenizer(512)
+    text_encoder_2 = _finish(transformers.T5EncoderModel(
+        transformers.T5Config(**_t5_like_config(len(tokenizer_2), ov.get("text_encoder_2", {})))))
+
+    vae_cfg = _merge(
+        dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+             up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 8, 8),
+             layers_per_block=1, act_fn="silu", latent_channels=16, norm_num_groups=4,
+             sample_size=32,
+             scaling_factor=0.3611, shift_factor=0.1159, force_upcast=True, use_quant_conv=False,
+             use_post_quant_conv=False, mid_block_add_attention=True),
+        ov.get("vae", {}))
+    vae = _finish(diffusers.AutoencoderKL(**vae_cfg))
+
+    def _rope_axes(c):  # FLUX.1 splits 128 as (16, 56, 56); keep that shape for any even head dim
+        hw = (c["attention_head_dim"] * 7 // 16) // 2 * 2
+        return (c["attention_head_dim"] - 2 * hw, hw, hw)
+
+    tr_cfg = _merge(
+        dict(patch_size=1, out_channels=None, num_layers=2, num_single_layers=2,
+             attention_head_dim=16, num_attention_heads=2, guidance_embeds=True),
+        ov.get("transformer", {}),
+        {"in_channels": lambda c: 4 * vae.config.latent_channels,
+         "joint_attention_dim": lambda c: text_encoder_2.config.d_model,
+         "pooled_projection_dim": lambda c: text_encoder.config.hidden_size,
+         "axes_dims_rope": _rope_axes})
+    transformer = _finish(diffusers.FluxTransformer2DModel(**tr_cfg))
+
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**_merge(
+        dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+             max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096),
+        ov.get("scheduler", {})))
+
+    return diffusers.FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+
+
+_BUILDERS = {
+    "wan2.1-t2v": lambda ov: _build_wan(ov, i2v=False),
+    "wan2.1-i2v": lambda ov: _build_wan(ov, i2v=True),
+    "flux.1-t2i": _build_flux,
+}

@@ -1,0 +1,44 @@
+"""The cpu backend's hook implementations: the terminal fallback of every device chain."""
+
+from __future__ import annotations
+
+import torch
+from flowseam import Availability, BackendInfo, ComponentSpec, KernelRegistration, hookimpl, ops
+from flowseam.components import instantiate
+
+from . import kernels
+
+
+@hookimpl
+def flowseam_backend() -> BackendInfo:
+    return BackendInfo(device="cpu", priority=0, description="torch on the CPU, float32")
+
+
+@hookimpl
+def flowseam_backend_available() -> Availability:
+    return Availability(True, "")
+
+
+@hookimpl
+def flowseam_arch_chain() -> list[str]:
+    return ["generic"]
+
+
+@hookimpl
+def flowseam_register_kernels() -> list[KernelRegistration]:
+    return [
+        KernelRegistration(ops.FLOW_MATCH_STEP, kernels.flow_match_step),
+        KernelRegistration(ops.FLOW_SDE_STEP, kernels.flow_sde_step),
+        KernelRegistration(ops.ATTENTION, kernels.attention),
+    ]
+
+
+@hookimpl
+def flowseam_component_kinds() -> tuple[str, ...]:
+    return ("*",)  # every kind: cpu is the terminal fallback
+
+
+@hookimpl
+def flowseam_build_component(kind: str, spec: ComponentSpec, device: str):
+    """Every kind, with its real class, in float32 on the CPU."""
+    return instantiate(spec, device="cpu", dtype=torch.float32)

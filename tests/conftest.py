@@ -1,0 +1,78 @@
+"""Shared fixtures: real plugin packages installed into a scratch ``--target`` directory, and a
+context manager that puts them on ``sys.path`` and rediscovers plugins."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PLUGIN_FIXTURES = sorted(p for p in (FIXTURES / "plugins").iterdir() if (p / "pyproject.toml").is_file())
+
+
+def pip_install_target(packages: list[Path], target: Path) -> None:
+    """``pip install --no-deps --no-build-isolation --target`` real packages (their dist-info
+    and entry points included) into ``target``."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "--target", str(target), *map(str, packages)],
+        check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def fixture_plugins_dir(tmp_path_factory) -> Path:
+    """A directory holding every test plugin package of tests/fixtures/plugins, installed."""
+    target = tmp_path_factory.mktemp("fixture-plugins")
+    pip_install_target(PLUGIN_FIXTURES, target)
+    return target
+
+
+@contextlib.contextmanager
+def plugin_env(path: Path | None = None, **env: str | None):
+    """Put an install target on sys.path, set FLOWSEAM_* variables, rediscover; undo on exit."""
+    import flowseam.plugins
+
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_path = list(sys.path)
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if path is not None:
+            sys.path.insert(0, str(path))
+        yield flowseam.plugins.discover(refresh=True)
+    finally:
+        sys.path[:] = saved_path
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        flowseam.plugins._CACHE = None
+
+
+def run_cli(*args: str, path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """Run ``python -m flowseam ARGS`` in a subprocess with extra sys.path entries and env."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
+    full.update(env)
+    if path is not None:
+        full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), full.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "flowseam", *args], capture_output=True,
+                          text=True, env=full, timeout=300)
+
+
+@pytest.fixture(autouse=True)
+def _clean_flowseam_env(monkeypatch):
+    """Tests start from the environment's real plugins with no FLOWSEAM_* variables set,
+    except FLOWSEAM_DISABLE_PLUGINS, which .ci/run uses for the blocked-backends pass."""
+    for k in list(os.environ):
+        if k.startswith("FLOWSEAM_") and k != "FLOWSEAM_DISABLE_PLUGINS":
+            monkeypatch.delenv(k)
+    yield

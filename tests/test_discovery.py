@@ -1,0 +1,121 @@
+"""Discovery through real installed entry points, broken and invalid plugin packages, strict
+mode, allow/block lists and the kernel conflict policy."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+
+import pytest
+from conftest import plugin_env, run_cli
+
+import flowseam
+from flowseam import PluginLoadError
+
+
+def test_cpu_backend_is_found_through_its_installed_entry_point():
+    eps = {ep.name: ep for ep in metadata.entry_points(group="flowseam.plugins")}
+    assert eps["cpu"].value == "flowseam_cpu.plugin"
+    assert eps["cpu"].dist.metadata["Name"] == "flowseam-cpu"
+    with plugin_env() as reg:
+        rec = reg.records["cpu"]
+        assert (rec.status, rec.distribution, rec.device) == ("available", "flowseam-cpu", "cpu")
+        assert rec.version == metadata.version("flowseam-cpu")
+        assert {k.op for k in rec.kernels} == set(flowseam.ops.ALL_OPS)
+
+
+def test_core_never_imports_the_cpu_backend():
+    import pathlib
+
+    src = pathlib.Path(flowseam.__file__).parent
+    offenders = [p for p in src.rglob("*.py") if "flowseam_cpu" in p.read_text()]
+    assert offenders == []
+
+
+def test_broken_plugins_are_reported_and_the_rest_keep_working(fixture_plugins_dir):
+    allow = "cpu,broken_import,bad_signature,unknown_hook,raising_availability,unavailable_dev"
+    with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS=allow) as reg:
+        r = reg.records
+        assert r["broken_import"].status == "broken"
+        assert "flowseam_vendor_sdk_that_does_not_exist" in r["broken_import"].reason
+        assert "Traceback" in r["broken_import"].traceback
+        assert r["bad_signature"].status == "broken"
+        assert "stream" in r["bad_signature"].reason  # pluggy names the unknown argument
+        assert r["unknown_hook"].status == "broken"
+        assert "flowseam_register_kernel" in r["unknown_hook"].reason
+        assert r["raising_availability"].status == "broken"
+        assert "driver handshake failed" in r["raising_availability"].reason
+        assert r["unavailable_dev"].status == "unavailable"
+        assert "no NPU driver" in r["unavailable_dev"].reason
+        assert r["cpu"].status == "available"
+        # the broken ones are unregistered from pluggy; cpu still serves
+        assert not reg.pm.has_plugin("bad_signature")
+        platform = flowseam.Platform.detect(registry=reg)
+        assert platform.name == "cpu"
+        assert platform.kernels.get(flowseam.ops.FLOW_MATCH_STEP).provenance.plugin == "cpu"
+
+
+def test_strict_mode_raises_naming_the_broken_plugin(fixture_plugins_dir):
+    with pytest.raises(PluginLoadError, match="'broken_import'"):
+        with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,broken_import", FLOWSEAM_STRICT="1"):
+            pass
+    with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,unavailable_dev", FLOWSEAM_STRICT="1") as reg:
+        assert reg.records["unavailable_dev"].status == "unavailable"  # unavailable is not broken
+
+
+def test_allow_and_block_lists(fixture_plugins_dir):
+    with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu") as reg:
+        assert reg.records["broken_import"].status == "blocked"
+        assert "FLOWSEAM_PLUGINS" in reg.records["broken_import"].reason
+        assert reg.records["cpu"].status == "available"
+    with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS=None,
+                    FLOWSEAM_DISABLE_PLUGINS="broken_import,bad_signature,unknown_hook,"
+                                             "raising_availability") as reg:
+        assert reg.records["bad_signature"].status == "blocked"
+        assert "FLOWSEAM_DISABLE_PLUGINS" in reg.records["bad_signature"].reason
+        assert reg.broken() == []
+    with plugin_env(FLOWSEAM_DISABLE_PLUGINS="cpu") as reg:
+        assert reg.records["cpu"].status == "blocked"
+        with pytest.raises(flowseam.BackendUnavailableError, match="cpu .*blocked"):
+            flowseam.Platform("cpu", registry=reg)
+
+
+def test_conflict_same_priority_is_won_by_name_and_reported(fixture_plugins_dir):
+    with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,testdev_b,testdev_a") as reg:
+        platform = flowseam.Platform("testdev_b", registry=reg)
+        k = platform.kernels.get(flowseam.ops.FLOW_MATCH_STEP)
+        # arch walk: tdv2 has nothing, tdv1 hits; a and b tie on priority 7, 'testdev_a' < 'testdev_b'
+        assert (k.provenance.plugin, k.provenance.device, k.provenance.arch) == ("testdev_a", "testdev", "tdv1")
+        conflicts = [c for c in platform.conflicts if c.arch == "tdv1"]
+        assert len(conflicts) == 1 and conflicts[0].winner.startswith("testdev_a:")
+        assert conflicts[0].losers[0].startswith("testdev_b:")
+        assert "conflicts:" in platform.explain()
+
+
+def test_conflict_higher_priority_wins_regardless_of_name(fixture_plugins_dir):
+    with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,testdev_a,testdev_b,testdev_z") as reg:
+        for order in ("testdev_a", "testdev_z"):
+            k = flowseam.Platform(order, registry=reg).kernels.get(flowseam.ops.FLOW_MATCH_STEP)
+            assert k.provenance.plugin == "testdev_z"
+        assert flowseam.Platform.detect(registry=reg).name == "testdev_z"
+
+
+def test_backends_cli_json_and_strict(fixture_plugins_dir):
+    out = run_cli("backends", "--json", path=fixture_plugins_dir,
+                  FLOWSEAM_PLUGINS="cpu,broken_import,unavailable_dev")
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    for r in rows.values():
+        assert {"name", "distribution", "version", "status", "reason", "device", "ops",
+                "components", "methods"} <= set(r)
+    assert rows["cpu"]["status"] == "active" and rows["cpu"]["distribution"] == "flowseam-cpu"
+    assert rows["broken_import"]["status"] == "broken"
+    assert rows["unavailable_dev"]["status"] == "unavailable"
+    assert rows["testdev_a"]["status"] == "blocked"
+    strict = run_cli("backends", "--strict", path=fixture_plugins_dir,
+                     FLOWSEAM_PLUGINS="cpu,broken_import")
+    assert strict.returncode != 0
+    assert "broken_import" in strict.stdout + strict.stderr
+    ok = run_cli("backends", "--strict", FLOWSEAM_PLUGINS="cpu")
+    assert ok.returncode == 0, ok.stderr
+    assert "flow_sde_step" in ok.stdout and "cpu → " not in ok.stdout.splitlines()[0]

@@ -1,0 +1,176 @@
+"""The cpu backend's kernels against the numpy float64 oracle (C1: float32 within 1e-5)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import flowseam
+from flowseam import ops
+from flowseam.ops import reference
+
+RTOL, ATOL = reference.TOLERANCES["float32"]
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    flowseam.plugins._CACHE = None
+    return flowseam.Platform("cpu")
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def test_flow_match_step_matches_oracle_and_formula(cpu):
+    step = cpu.kernels.get(ops.FLOW_MATCH_STEP)
+    x, v = _rand(2, 4, 3, 8, 8, seed=1), _rand(2, 4, 3, 8, 8, seed=2)
+    out = step(x, v, 0.75, 0.5)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    np.testing.assert_allclose(out.numpy(), reference.flow_match_step(x.numpy(), v.numpy(), 0.75, 0.5),
+                               rtol=RTOL, atol=ATOL)
+    # hand computation of one element: x + (0.5 - 0.75) * v
+    assert math.isclose(float(out[0, 0, 0, 0, 0]), float(x[0, 0, 0, 0, 0]) - 0.25 * float(v[0, 0, 0, 0, 0]),
+                        rel_tol=1e-6, abs_tol=1e-6)
+
+
+def test_flow_match_step_bf16_keeps_dtype_and_computes_in_float32(cpu):
+    step = cpu.kernels.get(ops.FLOW_MATCH_STEP)
+    x, v = _rand(2, 16, seed=3, dtype=torch.bfloat16), _rand(2, 16, seed=4, dtype=torch.bfloat16)
+    out = step(x, v, 1.0, 0.9)
+    assert out.dtype == torch.bfloat16
+    expect = reference.flow_match_step(x.float().numpy(), v.float().numpy(), 1.0, 0.9)
+    rtol, atol = reference.TOLERANCES["bfloat16"]
+    np.testing.assert_allclose(out.float().numpy(), expect, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("sigma,sigma_next,sigma_max", [
+    (1.0, 0.9, 0.9),     # first step: sigma == 1 uses sigma_max
+    (0.6, 0.45, None),   # a middle step
+    (0.1, 0.0, None),    # the last step, to sigma_next = 0
+])
+def test_flow_sde_step_matches_oracle(cpu, sigma, sigma_next, sigma_max):
+    step = cpu.kernels.get(ops.FLOW_SDE_STEP)
+    x, v, noise = _rand(3, 4, 2, 6, 6, seed=5), _rand(3, 4, 2, 6, 6, seed=6), _rand(3, 4, 2, 6, 6, seed=7)
+    out = step(x, v, sigma, sigma_next, noise=noise, noise_level=0.7, sigma_max=sigma_max)
+    ref = reference.flow_sde_step(x.numpy(), v.numpy(), sigma, sigma_next, noise=noise.numpy(),
+                                  noise_level=0.7, sigma_max=sigma_max)
+    assert out.sample.dtype == torch.float32 and out.log_prob.shape == (3,)
+    for got, want in ((out.sample, ref.sample), (out.mean, ref.mean), (out.log_prob, ref.log_prob),
+                      (out.std, ref.std)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=RTOL, atol=ATOL)
+
+
+def test_flow_sde_step_hand_computed_std_and_logprob(cpu):
+    """One element by hand from Flow-GRPO's formulas: sigma=0.5, sigma_next=0.25, noise_level=0.5."""
+    step = cpu.kernels.get(ops.FLOW_SDE_STEP)
+    x = torch.tensor([[2.0]])
+    v = torch.tensor([[-1.0]])
+    noise = torch.tensor([[0.5]])
+    out = step(x, v, 0.5, 0.25, noise=noise, noise_level=0.5)
+    std_dev_t = 0.5 * math.sqrt(0.5 / 0.5)          # 0.5
+    dt = -0.25
+    mean = 2.0 * (1 + 0.25 * dt / 1.0) + (-1.0) * (1 + 0.25 * 0.5 / 1.0) * dt
+    std = std_dev_t * math.sqrt(0.25)               # 0.25
+    sample = mean + std * 0.5
+    logp = -0.5 * 0.5**2 - math.log(std) - 0.5 * math.log(2 * math.pi)
+    assert math.isclose(float(out.std), std, rel_tol=1e-6)
+    assert math.isclose(float(out.mean), mean, rel_tol=1e-6)
+    assert math.isclose(float(out.sample), sample, rel_tol=1e-6)
+    assert math.isclose(float(out.log_prob), logp, rel_tol=1e-6)
+
+
+def test_flow_sde_step_recompute_reproduces_logprob_exactly(cpu):
+    step = cpu.kernels.get(ops.FLOW_SDE_STEP)
+    x, v = _rand(2, 3, 8, 8, seed=8), _rand(2, 3, 8, 8, seed=9)
+    first = step(x, v, 0.8, 0.6, generator=torch.Generator().manual_seed(3))
+    again = step(x, v, 0.8, 0.6, prev_sample=first.sample)
+    assert torch.equal(first.log_prob, again.log_prob)
+    # the generator path is deterministic and draws standard normal noise of x's shape
+    other = step(x, v, 0.8, 0.6, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(first.sample, other.sample)
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    np.testing.assert_allclose(first.sample.numpy(), (first.mean + first.std * noise).numpy(), rtol=0, atol=0)
+
+
+def test_flow_sde_step_bf16_recompute_is_exact_and_logprob_float32(cpu):
+    step = cpu.kernels.get(ops.FLOW_SDE_STEP)
+    x, v = _rand(2, 64, seed=10, dtype=torch.bfloat16), _rand(2, 64, seed=11, dtype=torch.bfloat16)
+    out = step(x, v, 0.5, 0.4, generator=torch.Generator().manual_seed(0))
+    assert out.sample.dtype == torch.bfloat16 and out.log_prob.dtype == torch.float32
+    again = step(x, v, 0.5, 0.4, prev_sample=out.sample)
+    assert torch.equal(out.log_prob, again.log_prob)
+    ref = reference.flow_sde_step(x.float().numpy(), v.float().numpy(), 0.5, 0.4,
+                                  prev_sample=out.sample.float().numpy())
+    np.testing.assert_allclose(out.log_prob.numpy(), ref.log_prob, rtol=1e-5, atol=1e-5)
+
+
+def test_flow_sde_step_gradient_flows_through_mean_only(cpu):
+    step = cpu.kernels.get(ops.FLOW_SDE_STEP)
+    x = _rand(2, 5, seed=12)
+    v = _rand(2, 5, seed=13).requires_grad_(True)
+    sample = _rand(2, 5, seed=14).requires_grad_(True)
+    out = step(x, v, 0.7, 0.5, prev_sample=sample)
+    out.log_prob.sum().backward()
+    assert v.grad is not None and torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0
+    assert sample.grad is None
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_attention_matches_oracle(cpu, mask):
+    attn = cpu.kernels.get(ops.ATTENTION)
+    q, k, v = _rand(2, 3, 5, 8, seed=15), _rand(2, 3, 7, 8, seed=16), _rand(2, 3, 7, 4, seed=17)
+    m = None
+    if mask == "bool":
+        m = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(1)) > 0.3
+        m[..., 0] = True  # every query keeps at least one key
+    elif mask == "float":
+        m = _rand(2, 1, 5, 7, seed=18)
+    out = attn(q, k, v, attn_mask=m, scale=0.3)
+    ref = reference.attention(q.numpy(), k.numpy(), v.numpy(),
+                              attn_mask=None if m is None else m.numpy(), scale=0.3)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=RTOL, atol=ATOL)
+
+
+def test_oracle_attention_hand_computed():
+    q = np.array([[[[1.0, 0.0]]]])
+    k = np.array([[[[1.0, 0.0], [0.0, 1.0]]]])
+    v = np.array([[[[1.0], [3.0]]]])
+    w0 = math.exp(1 / math.sqrt(2)) / (math.exp(1 / math.sqrt(2)) + 1.0)
+    assert math.isclose(float(reference.attention(q, k, v)[0, 0, 0, 0]), w0 * 1 + (1 - w0) * 3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sigma=1.2, sigma_next=0.5), "sigma=1.2"),
+    (dict(sigma=0.5, sigma_next=-0.1), "sigma_next=-0.1"),
+    (dict(sigma=0.4, sigma_next=0.5), "sigma_next=0.5 > sigma=0.4"),
+])
+def test_bad_sigmas_raise_naming_the_value(cpu, kwargs, match):
+    x = torch.zeros(1, 4)
+    for op in (ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP):
+        with pytest.raises(ValueError, match=match):
+            cpu.kernels.get(op)(x, x, kwargs["sigma"], kwargs["sigma_next"])
+        with pytest.raises(ValueError, match=match):
+            getattr(reference, op)(x.numpy(), x.numpy(), kwargs["sigma"], kwargs["sigma_next"])
+
+
+def test_sde_step_at_sigma_one_needs_sigma_max(cpu):
+    x = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="sigma=1.0 needs sigma_max"):
+        cpu.kernels.get(ops.FLOW_SDE_STEP)(x, x, 1.0, 0.9)
+    with pytest.raises(ValueError, match="sigma_max=1.0"):
+        cpu.kernels.get(ops.FLOW_SDE_STEP)(x, x, 1.0, 0.9, sigma_max=1.0)
+
+
+def test_shape_mismatch_raises_naming_shapes(cpu):
+    with pytest.raises(ValueError, match=r"v has shape \(1, 3\) but x has shape \(1, 4\)"):
+        cpu.kernels.get(ops.FLOW_MATCH_STEP)(torch.zeros(1, 4), torch.zeros(1, 3), 0.5, 0.4)
+    with pytest.raises(ValueError, match="noise has shape"):
+        cpu.kernels.get(ops.FLOW_SDE_STEP)(torch.zeros(1, 4), torch.zeros(1, 4), 0.5, 0.4,
+                                           noise=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="attention expects 4-d"):
+        cpu.kernels.get(ops.ATTENTION)(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))
