@@ -1,0 +1,73 @@
+"""Dispatch overhead of the kernel seam.
+
+Measures (1) nanoseconds per ``platform.kernels.get(op)`` and (2) the overhead of calling the
+bound ``flow_match_step`` kernel versus the bare torch expression it computes
+(``torch.add(x, v, alpha=dt)``) on a 1M-element float32 latents tensor, alternating the two in
+one process after a warm-up and reporting medians and their ratio.
+
+Goals (issue 2): get <= 1 µs; bound-call overhead <= 5 %.
+
+Run: .venv/bin/python bench/dispatch.py [--backend cpu] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import timeit
+
+import torch
+
+import flowseam
+from flowseam import ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=200, help="kernel calls per timed block")
+    args = ap.parse_args()
+
+    platform = flowseam.Platform(args.backend)
+    kernels = platform.kernels
+    n = 1_000_000
+    number = 200_000
+    get_ns = min(timeit.repeat(lambda: kernels.get(ops.FLOW_MATCH_STEP), number=number, repeat=5))
+    get_ns = get_ns / number * 1e9
+    bare_lambda_ns = min(timeit.repeat(lambda: None, number=number, repeat=5)) / number * 1e9
+
+    x = torch.randn(n)
+    v = torch.randn(n)
+    sigma, sigma_next = 0.75, 0.7
+    dt = sigma_next - sigma
+    step = kernels.get(ops.FLOW_MATCH_STEP)
+
+    def bare():
+        for _ in range(args.calls):
+            torch.add(x, v, alpha=dt)
+
+    def bound():
+        for _ in range(args.calls):
+            step(x, v, sigma, sigma_next)
+
+    for f in (bare, bound, bare, bound):  # warm-up
+        f()
+    t_bare, t_bound = [], []
+    for _ in range(args.repeats):
+        for f, sink in ((bare, t_bare), (bound, t_bound)):
+            t0 = time.perf_counter()
+            f()
+            sink.append((time.perf_counter() - t0) / args.calls)
+    mb, mk = statistics.median(t_bare), statistics.median(t_bound)
+    print(f"platform: {platform!r}; kernel {step.impl_id}")
+    print(f"kernels.get(op): {get_ns:.0f} ns per lookup (timeit of an empty lambda: {bare_lambda_ns:.0f} ns)"
+          f"  goal <= 1000 ns")
+    print(f"flow_match_step on {n:,} float32 elements: bare torch {mb * 1e6:.1f} µs, bound kernel "
+          f"{mk * 1e6:.1f} µs (medians of {args.repeats} x {args.calls} calls)")
+    print(f"bound/bare = {mk / mb:.4f}  (overhead {100 * (mk / mb - 1):+.2f} %, goal <= 5 %)")
+
+
+if __name__ == "__main__":
+    main()
