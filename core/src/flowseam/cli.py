@@ -44,18 +44,23 @@ def cmd_backends(args: argparse.Namespace) -> int:
                 r.pop("traceback", None)
         print(json.dumps(rows, indent=2))
     else:
-        header = f"{'name':<14}{'distribution':<22}{'version':<10}{'status':<13}{'device':<9}" \
-                 f"{'ops':<44}{'components':<26}methods"
+        cols = [("name", lambda r: r["name"]), ("distribution", lambda r: r["distribution"]),
+                ("version", lambda r: r["version"]), ("status", lambda r: r["status"]),
+                ("device", lambda r: r["device"] or "-"),
+                ("ops", lambda r: ", ".join(r["ops"]) or "-"),
+                ("components", lambda r: ", ".join(r["components"]) or "-"),
+                ("methods", lambda r: ", ".join(r["methods"] + r["rewards"]) or "-")]
+        cells = [[get(r) for _, get in cols] for r in rows]
+        widths = [max([len(name)] + [len(c[i]) for c in cells]) + 2 for i, (name, _) in enumerate(cols)]
+        header = "".join(f"{name:<{w}}" for (name, _), w in zip(cols, widths)).rstrip()
         print(header)
         print("-" * len(header))
-        for r in rows:
-            print(f"{r['name']:<14}{r['distribution']:<22}{r['version']:<10}{r['status']:<13}"
-                  f"{r['device'] or '-':<9}{', '.join(r['ops']) or '-':<44}"
-                  f"{', '.join(r['components']) or '-':<26}{', '.join(r['methods']) or '-'}")
+        for r, row in zip(rows, cells):
+            print("".join(f"{c:<{w}}" for c, w in zip(row, widths)).rstrip())
             if r["reason"]:
-                print(f"{'':<14}reason: {r['reason']}")
+                print(f"  reason: {r['reason']}")
             if args.verbose and r.get("traceback"):
-                print("\n".join(f"{'':<14}{line}" for line in r["traceback"].splitlines()))
+                print("\n".join(f"    {line}" for line in r["traceback"].splitlines()))
         if not rows:
             print("(no flowseam plugins installed: pip install flowseam-cpu)")
         if explain:

@@ -214,8 +214,8 @@ def _t5_like_config(vocab_size: int, user: dict) -> dict:
     return _merge(
         dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
              relative_attention_num_buckets=8, relative_attention_max_distance=32,
-             feed_forward_proj="gated-gelu", dropout_rate=0.0, layer_norm_epsilon=1e-6, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-             tie_word_embeddings=False),
+             feed_forward_proj="gated-gelu", dropout_rate=0.0, layer_norm_epsilon=1e-6,
+             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False),
         user, {"vocab_size": lambda c: vocab_size})
 
 
