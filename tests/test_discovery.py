@@ -70,7 +70,8 @@ def test_allow_and_block_lists(fixture_plugins_dir):
         assert reg.records["cpu"].status == "available"
     with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS=None,
                     FLOWSEAM_DISABLE_PLUGINS="broken_import,bad_signature,unknown_hook,"
-                                             "raising_availability") as reg:
+                                             "raising_availability,arch_raises,str_kinds,"
+                                             "exits_on_import,dup_name") as reg:
         assert reg.records["bad_signature"].status == "blocked"
         assert "FLOWSEAM_DISABLE_PLUGINS" in reg.records["bad_signature"].reason
         assert reg.broken() == []
@@ -119,3 +120,27 @@ def test_backends_cli_json_and_strict(fixture_plugins_dir):
     ok = run_cli("backends", "--strict", FLOWSEAM_PLUGINS="cpu")
     assert ok.returncode == 0, ok.stderr
     assert "flow_sde_step" in ok.stdout and "cpu → " not in ok.stdout.splitlines()[0]
+
+
+def test_misbehaving_hooks_mark_only_that_plugin_broken(fixture_plugins_dir):
+    allow = "cpu,arch_raises,str_kinds,exits_on_import,dup_name"
+    with pytest.warns(UserWarning, match="'nosuch'"):
+        with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS=allow + ",nosuch") as reg:
+            r = reg.records
+            assert r["arch_raises"].status == "broken"
+            assert "compute capability" in r["arch_raises"].reason
+            assert r["str_kinds"].status == "broken" and "expected a list of names" in r["str_kinds"].reason
+            assert r["exits_on_import"].status == "broken" and "SystemExit" in r["exits_on_import"].reason
+            assert r["dup_name"].distribution == "flowseam-fixture-misbehaving"
+            assert r["dup_name"].methods == {"noop_method": object}
+            dup = r["dup_name@flowseam-fixture-unknown-hook"]
+            assert dup.status == "broken" and "already taken" in dup.reason
+            assert flowseam.Platform.detect(registry=reg).name == "cpu"
+    out = run_cli("backends", "--json", path=fixture_plugins_dir, FLOWSEAM_PLUGINS=allow)
+    assert out.returncode == 0, out.stderr
+    assert {r["name"]: r["status"] for r in json.loads(out.stdout)}["arch_raises"] == "broken"
+
+
+def test_empty_allow_list_means_no_allow_list():
+    with plugin_env(FLOWSEAM_PLUGINS=" , ") as reg:
+        assert reg.records["cpu"].status == "available"

@@ -174,3 +174,42 @@ def test_shape_mismatch_raises_naming_shapes(cpu):
                                            noise=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="attention expects 4-d"):
         cpu.kernels.get(ops.ATTENTION)(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(noise_level=0.0), "noise_level=0.0"),
+    (dict(noise_level=float("inf")), "noise_level=inf"),
+])
+def test_sde_step_rejects_degenerate_noise_level(cpu, bad, match):
+    x = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match=match):
+        cpu.kernels.get(ops.FLOW_SDE_STEP)(x, x, 0.5, 0.4, **bad)
+
+
+def test_non_float_tensors_and_non_numeric_sigmas_are_rejected(cpu):
+    step = cpu.kernels.get(ops.FLOW_MATCH_STEP)
+    with pytest.raises(ValueError, match="x has dtype torch.int64"):
+        step(torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4), 0.5, 0.4)
+    with pytest.raises(ValueError, match="sigma='0.5'"):
+        step(torch.zeros(1, 4), torch.zeros(1, 4), "0.5", 0.4)
+    out = step(torch.ones(1, 4), torch.ones(1, 4), torch.tensor(0.5), np.float32(0.25))
+    torch.testing.assert_close(out, torch.full((1, 4), 0.75))
+
+
+def test_sde_step_on_1d_latents_and_prev_sample_dtype(cpu):
+    step = cpu.kernels.get(ops.FLOW_SDE_STEP)
+    x, v, noise = _rand(3, seed=20), _rand(3, seed=21), _rand(3, seed=22)
+    out = step(x, v, 0.5, 0.3, noise=noise)
+    ref = reference.flow_sde_step(x.numpy(), v.numpy(), 0.5, 0.3, noise=noise.numpy())
+    np.testing.assert_allclose(out.log_prob.numpy(), ref.log_prob, rtol=RTOL, atol=ATOL)
+    again = step(x, v, 0.5, 0.3, prev_sample=out.sample.double())
+    assert again.sample.dtype == torch.float32
+
+
+def test_attention_fully_masked_row_is_zero_like_torch(cpu):
+    q, k, v = _rand(1, 1, 2, 4, seed=23), _rand(1, 1, 3, 4, seed=24), _rand(1, 1, 3, 4, seed=25)
+    mask = torch.tensor([[[[True, False, True], [False, False, False]]]])
+    out = cpu.kernels.get(ops.ATTENTION)(q, k, v, attn_mask=mask)
+    ref = reference.attention(q.numpy(), k.numpy(), v.numpy(), attn_mask=mask.numpy())
+    np.testing.assert_allclose(out.numpy(), ref, rtol=RTOL, atol=ATOL)
+    assert not ref[0, 0, 1].any()

@@ -134,3 +134,11 @@ def test_platform_round_trips_through_a_spawned_process(fixture_plugins_dir):
     assert scans == 0  # the worker imported the plugins it was given; it never scanned entry points
     assert chain == ("testdev", "cpu")
     torch.testing.assert_close(out, x - 0.25 * v)
+
+
+def test_rebuilt_platform_refuses_a_different_plugin_version():
+    with plugin_env():
+        data = flowseam.Platform("cpu").to_dict()
+    data["plugins"][0]["version"] = "9.9.9"
+    with pytest.raises(flowseam.PluginLoadError, match="flowseam-cpu==9.9.9"):
+        flowseam.Platform.from_dict(data)

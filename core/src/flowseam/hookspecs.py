@@ -36,6 +36,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def flowseam_backend() -> BackendInfo | None:
     """Declare that this plugin is a backend, and for which device.
 
+    firstresult: yes (one declaration per plugin).
+
     Called once when the plugin is discovered. Plugins that only add training methods or
     rewards do not implement it.
 
@@ -50,6 +52,8 @@ def flowseam_backend() -> BackendInfo | None:
 def flowseam_backend_available() -> Availability | None:
     """Say whether this backend can run in this process, and why not if it cannot.
 
+    firstresult: yes.
+
     Called once at discovery, only on plugins that declared a backend. It must not fail on a
     machine without the hardware: return ``Availability(False, "no CUDA device visible")``
     instead. An exception raised here marks the plugin ``broken`` (with its traceback).
@@ -62,9 +66,12 @@ def flowseam_backend_available() -> Availability | None:
 def flowseam_arch_chain() -> Sequence[str] | None:
     """Detect the arch rungs of this backend's device, most specific first.
 
-    Called once when a Platform that uses this backend's device is built (only if the backend is
-    available). Example: ``["sm90", "sm80", "generic"]`` on an H100. ``"generic"`` is appended
-    when missing, so every chain ends in it.
+    firstresult: yes.
+
+    Called once at discovery, right after the availability check (only if the backend is
+    available); an exception or a result that is not a list of names marks the plugin broken.
+    Example: ``["sm90", "sm80", "generic"]`` on an H100. ``"generic"`` is appended when
+    missing, so every chain ends in it.
 
     :returns: a sequence of arch names, or None for ``["generic"]``.
     """
@@ -73,6 +80,8 @@ def flowseam_arch_chain() -> Sequence[str] | None:
 @hookspec
 def flowseam_register_kernels() -> Iterable[KernelRegistration] | None:
     """Register kernel implementations for ops in :mod:`flowseam.ops`.
+
+    firstresult: no — every plugin's registrations are collected.
 
     Called once at discovery. Each registration names an op, the arch rung it is written for and
     the callable, which must follow the op's contract in :mod:`flowseam.ops`. The kernels run on
@@ -87,6 +96,8 @@ def flowseam_register_kernels() -> Iterable[KernelRegistration] | None:
 @hookspec
 def flowseam_component_kinds() -> Iterable[str] | None:
     """Declare the component kinds (``"dit"``, ``"vae"``, ``"text_encoder"``, ...) this backend
+
+    firstresult: no — every plugin's kinds are collected.
     can build on its device; ``"*"`` means every kind (the cpu backend declares it).
 
     Called once at discovery. A kind that no plugin of a device declares falls back to the next
@@ -99,6 +110,8 @@ def flowseam_component_kinds() -> Iterable[str] | None:
 @hookspec(firstresult=True)
 def flowseam_build_component(kind: str, spec: ComponentSpec, device: str) -> torch.nn.Module | None:
     """Build one model component of ``kind`` on ``device``, or return None to decline.
+
+    firstresult: yes — the first non-None result wins.
 
     Called by ``platform.build_component`` while a model is loaded, once per (component,
     device) along the device chain, only on plugins that declared ``kind`` in
@@ -118,6 +131,8 @@ def flowseam_build_component(kind: str, spec: ComponentSpec, device: str) -> tor
 def flowseam_training_methods() -> Mapping[str, Any] | None:
     """Register training methods by name (``"finetune"``, ``"flowgrpo"``, ...).
 
+    firstresult: no — every plugin's methods are collected.
+
     Called once at discovery. Values are classes (or factories) implementing the training-method
     protocol. Two plugins registering one name are a conflict, reported like kernel conflicts.
 
@@ -128,6 +143,8 @@ def flowseam_training_methods() -> Mapping[str, Any] | None:
 @hookspec
 def flowseam_rewards() -> Mapping[str, Any] | None:
     """Register reward functions by name.
+
+    firstresult: no — every plugin's rewards are collected.
 
     Called once at discovery. A reward is a callable ``reward(prompts, outputs) -> Tensor (B,)``
     (or a factory returning one).

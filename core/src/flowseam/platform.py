@@ -35,7 +35,7 @@ def _describe_backends(reg: PluginRegistry) -> str:
         why = f": {r.reason}" if r.reason else ""
         dev = f" device={r.device}" if r.device else ""
         lines.append(f"  {r.name} ({r.distribution} {r.version}){dev} — {r.status}{why}")
-    return "\n".join(lines) if lines else "  (no flowseam plugins are installed)"
+    return "\n".join(lines) if lines else "  (no backend plugin is installed: pip install flowseam-cpu)"
 
 
 class Platform:
@@ -98,14 +98,9 @@ class Platform:
         return rec
 
     def _detect_arch_chain(self, device: str) -> tuple[str, ...]:
+        """The arch chain the highest-priority plugin serving ``device`` detected at discovery."""
         serving = self._serving[device]
-        chain = list(self._registry.call(serving[0], "flowseam_arch_chain") or ()) if serving else []
-        if not all(isinstance(a, str) and a for a in chain):
-            raise FlowseamError(f"plugin {serving[0].name!r} returned arch chain {chain!r}; "
-                                "expected a list of non-empty strings")
-        if "generic" not in chain:
-            chain.append("generic")
-        return tuple(chain)
+        return serving[0].arch_chain if serving else ("generic",)
 
     def _kernel_candidates(self):
         for device in self.device_chain:
@@ -204,7 +199,8 @@ class Platform:
             "device_chain": list(self.device_chain),
             "arch_chains": {d: list(a) for d, a in self.arch_chains.items()},
             "plugins": [{"name": r.name, "value": r.value, "distribution": r.distribution,
-                         "version": r.version} for r in plugins.values()],
+                         "version": r.version, "arch_chain": list(r.arch_chain)}
+                        for r in plugins.values()],
             "kernels": {op: k.impl_id for op, k in self.kernels.resolved().items()},
         }
 

@@ -17,12 +17,12 @@ the environment or ``sys.path``.
 
 from __future__ import annotations
 
-import importlib
 import os
+import warnings
 import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import pluggy
 
@@ -54,6 +54,7 @@ class PluginRecord:
     backend: BackendInfo | None = None
     kernels: list[KernelRegistration] = field(default_factory=list)
     component_kinds: tuple[str, ...] = ()
+    arch_chain: tuple[str, ...] = ("generic",)
     methods: dict[str, Any] = field(default_factory=dict)
     rewards: dict[str, Any] = field(default_factory=dict)
     plugin: Any = None  # the registered module/object
@@ -85,6 +86,7 @@ class PluginRecord:
             "device": self.device,
             "priority": self.priority if self.backend else None,
             "ops": sorted({f"{k.op}@{k.arch}" for k in self.kernels}),
+            "arch_chain": list(self.arch_chain) if self.backend else None,
             "components": list(self.component_kinds),
             "methods": sorted(self.methods),
             "rewards": sorted(self.rewards),
@@ -141,12 +143,14 @@ class PluginRegistry:
                 avail = self.call(rec, "flowseam_backend_available")
                 if avail is None:
                     avail = Availability(True, "")
-                if not isinstance(avail, tuple) or len(avail) != 2:
+                if not (isinstance(avail, tuple) and len(avail) == 2 and isinstance(avail[0], bool)):
                     raise TypeError(f"flowseam_backend_available() returned {avail!r}; "
-                                    "expected flowseam.Availability(ok, reason)")
+                                    "expected flowseam.Availability(ok: bool, reason: str)")
                 if not avail[0]:
                     rec.status, rec.reason = "unavailable", str(avail[1]) or "unavailable"
-        except Exception as exc:  # a bad plugin must not take the others down
+            if rec.backend is not None and rec.usable:
+                rec.arch_chain = _arch_chain(self.call(rec, "flowseam_arch_chain"))
+        except (Exception, SystemExit) as exc:  # a bad plugin must not take the others down
             rec.status = "broken"
             rec.reason = f"{type(exc).__name__}: {exc}"
             rec.traceback = traceback.format_exc()
@@ -186,35 +190,57 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
         raise ValueError("plugin registers kernels but declares no backend (flowseam_backend)")
     rec.kernels = kernels
 
-    kinds = tuple(reg.call(rec, "flowseam_component_kinds") or ())
-    if any(not isinstance(k, str) or not k for k in kinds):
-        raise TypeError(f"flowseam_component_kinds() returned {kinds!r}; expected kind names")
+    kinds = tuple(_names(reg.call(rec, "flowseam_component_kinds"), "flowseam_component_kinds"))
     if kinds and backend is None:
         raise ValueError("plugin declares component kinds but no backend (flowseam_backend)")
     rec.component_kinds = kinds
-    rec.methods = dict(reg.call(rec, "flowseam_training_methods") or {})
-    rec.rewards = dict(reg.call(rec, "flowseam_rewards") or {})
+    rec.methods = _named_mapping(reg.call(rec, "flowseam_training_methods"), "flowseam_training_methods")
+    rec.rewards = _named_mapping(reg.call(rec, "flowseam_rewards"), "flowseam_rewards")
+
+
+def _names(result: Any, hook: str) -> list[str]:
+    """A hook result that must be an iterable of non-empty strings (a bare str is rejected)."""
+    if result is None:
+        return []
+    if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
+        raise TypeError(f"{hook}() returned {result!r}; expected a list of names")
+    names = list(result)
+    if any(not isinstance(n, str) or not n for n in names):
+        raise TypeError(f"{hook}() returned {names!r}; expected non-empty strings")
+    return names
+
+
+def _named_mapping(result: Any, hook: str) -> dict[str, Any]:
+    if result is None:
+        return {}
+    if not isinstance(result, Mapping) or any(not isinstance(k, str) or not k for k in result):
+        raise TypeError(f"{hook}() returned {result!r}; expected a mapping of name (str) → object")
+    return dict(result)
+
+
+def _arch_chain(result: Any) -> tuple[str, ...]:
+    chain = _names(result, "flowseam_arch_chain")
+    if "generic" not in chain:
+        chain.append("generic")
+    elif chain[-1] != "generic":
+        raise ValueError(f"flowseam_arch_chain() returned {chain!r}; 'generic' must come last")
+    return tuple(chain)
 
 
 def _env_list(var: str) -> set[str] | None:
     raw = os.environ.get(var)
     if raw is None or not raw.strip():
         return None
-    return {p.strip() for p in raw.split(",") if p.strip()}
+    names = {p.strip() for p in raw.split(",") if p.strip()}
+    return names or None
 
 
 def strict_mode() -> bool:
     return os.environ.get("FLOWSEAM_STRICT", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def _entry_point_value_loader(value: str) -> Callable[[], Any]:
-    def load() -> Any:
-        module, _, attr = value.partition(":")
-        obj = importlib.import_module(module.strip())
-        for part in filter(None, attr.strip().split(".")):
-            obj = getattr(obj, part)
-        return obj
-    return load
+def _entry_point_value_loader(name: str, value: str) -> Callable[[], Any]:
+    return metadata.EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP).load
 
 
 def scan() -> PluginRegistry:
@@ -224,27 +250,31 @@ def scan() -> PluginRegistry:
     allow = _env_list("FLOWSEAM_PLUGINS")
     block = _env_list("FLOWSEAM_DISABLE_PLUGINS") or set()
     reg = PluginRegistry()
-    eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP),
+                 key=lambda e: (e.name, e.dist.metadata["Name"] if e.dist is not None else ""))
+    known = {ep.name for ep in eps}
+    for name in sorted((allow or set()) - known):
+        warnings.warn(f"FLOWSEAM_PLUGINS names {name!r}, which is not an installed plugin; "
+                      f"installed: {sorted(known)}", stacklevel=2)
     for ep in eps:
         dist = getattr(ep, "dist", None)
         dist_name = dist.metadata["Name"] if dist is not None else "?"
         version = dist.version if dist is not None else "?"
-        if ep.name in reg.records:
-            rec = reg.records[ep.name]
-            rec_dup = PluginRecord(name=f"{ep.name}", value=ep.value, distribution=dist_name,
-                                   version=version, status="broken",
-                                   reason=f"entry-point name {ep.name!r} is used by both "
-                                          f"{rec.distribution} and {dist_name}")
-            reg.records[ep.name] = rec_dup
-            if reg.pm.has_plugin(ep.name):
-                reg.pm.unregister(name=ep.name)
-            continue
         if (allow is not None and ep.name not in allow) or ep.name in block:
             why = "not in FLOWSEAM_PLUGINS" if allow is not None and ep.name not in allow \
                 else "listed in FLOWSEAM_DISABLE_PLUGINS"
-            reg.records[ep.name] = PluginRecord(name=ep.name, value=ep.value,
+            reg.records.setdefault(ep.name, PluginRecord(name=ep.name, value=ep.value,
                                                 distribution=dist_name, version=version,
-                                                status="blocked", reason=why)
+                                                status="blocked", reason=why))
+            continue
+        if ep.name in reg.records:
+            first = reg.records[ep.name]
+            key = f"{ep.name}@{dist_name}"
+            reg.records[key] = PluginRecord(
+                name=key, value=ep.value, distribution=dist_name, version=version,
+                status="broken", reason=f"entry-point name {ep.name!r} is already taken by "
+                f"{first.distribution}; rename this plugin's entry point (skipped, the first "
+                "distribution in name order keeps the name)")
             continue
         reg.load(ep.name, ep.value, dist_name, version, ep.load)
     if strict_mode():
@@ -285,8 +315,17 @@ def load_without_discovery(plugins: list[dict[str, str]]) -> PluginRegistry:
     """
     reg = PluginRegistry()
     for p in plugins:
+        try:
+            installed = metadata.version(p["distribution"])
+        except metadata.PackageNotFoundError:
+            installed = None
+        if installed != p["version"]:
+            raise PluginLoadError(
+                f"plugin {p['name']!r} needs {p['distribution']}=={p['version']}, but this process "
+                f"has {installed or 'no such distribution'}; kernel ids would not mean the same code")
         rec = reg.load(p["name"], p["value"], p["distribution"], p["version"],
-                       _entry_point_value_loader(p["value"]), check_availability=False)
+                       _entry_point_value_loader(p["name"], p["value"]), check_availability=False)
+        rec.arch_chain = tuple(p.get("arch_chain") or ("generic",))
         if rec.status == "broken":
             raise PluginLoadError(f"plugin {rec.name!r} ({rec.value}) could not be loaded in this "
                                   f"process: {rec.reason}\n{rec.traceback}")

@@ -73,6 +73,13 @@ def _shape(t: Any) -> tuple:
     return tuple(t.shape)
 
 
+def _is_float(t: Any) -> bool:
+    dtype = t.dtype
+    if hasattr(dtype, "is_floating_point"):  # torch
+        return bool(dtype.is_floating_point)
+    return getattr(dtype, "kind", "f") == "f"  # numpy
+
+
 def check_sigmas(sigma: float, sigma_next: float, *, sde: bool, sigma_max: float | None = None,
                  noise_level: float = 0.7) -> None:
     """Validate the scalar arguments of a flow step. Raises ValueError naming the bad value."""
@@ -90,8 +97,9 @@ def check_sigmas(sigma: float, sigma_next: float, *, sde: bool, sigma_max: float
         raise ValueError(
             f"sigma_next == sigma == {sigma!r}: the SDE step needs sigma_next < sigma "
             "(its std is std_dev_t * sqrt(sigma - sigma_next))")
-    if noise_level < 0 or math.isnan(noise_level):
-        raise ValueError(f"noise_level={noise_level!r} must be >= 0")
+    if not (0.0 < noise_level < math.inf):
+        raise ValueError(f"noise_level={noise_level!r} must be finite and > 0 (it scales the "
+                         "SDE step's std; use flow_match_step for a deterministic step)")
     if sigma == 1.0:
         if sigma_max is None:
             raise ValueError(
@@ -99,12 +107,32 @@ def check_sigmas(sigma: float, sigma_next: float, *, sde: bool, sigma_max: float
                 "sigmas[1]): std_dev_t = noise_level*sqrt(sigma/(1 - sigma)) is infinite at 1")
         if not (0.0 < sigma_max < 1.0):
             raise ValueError(f"sigma_max={sigma_max!r} must be in (0, 1)")
+    if sde_std_dev_t(sigma, noise_level, sigma_max) * math.sqrt(sigma - sigma_next) < 1e-30:
+        raise ValueError(f"sigma={sigma!r}, sigma_next={sigma_next!r}: the SDE step's std "
+                         "underflows to 0; its log-density is undefined")
+
+
+def as_sigma(value: Any, name: str = "sigma") -> float:
+    """A sigma given as a Python/numpy number or a 0-dim tensor, as a float.
+
+    :raises ValueError: for strings, booleans or tensors with more than one element.
+    """
+    if isinstance(value, (str, bytes, bool)):
+        raise ValueError(f"{name}={value!r} must be a number in [0, 1]")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name}={value!r} must be a number in [0, 1] (a float or a "
+                         "one-element tensor)") from None
 
 
 def check_step_tensors(x: Any, v: Any, noise: Any = None, prev_sample: Any = None) -> None:
     """Validate the tensor arguments of a flow step: v, noise and prev_sample must have x's
     shape, and x needs a batch dimension. Raises ValueError naming the shapes."""
     xs = _shape(x)
+    for name, t in (("x", x), ("v", v), ("noise", noise), ("prev_sample", prev_sample)):
+        if t is not None and not _is_float(t):
+            raise ValueError(f"{name} has dtype {t.dtype}; flow steps need floating-point tensors")
     if len(xs) < 1:
         raise ValueError(f"x has shape {xs}; a flow step needs at least a batch dimension (B, ...)")
     for name, t in (("v", v), ("noise", noise), ("prev_sample", prev_sample)):
@@ -131,6 +159,6 @@ def sde_std_dev_t(sigma: float, noise_level: float, sigma_max: float | None) -> 
 
 
 __all__ = [
-    "ALL_OPS", "ATTENTION", "FLOW_MATCH_STEP", "FLOW_SDE_STEP", "SDEStepOutput",
+    "ALL_OPS", "ATTENTION", "FLOW_MATCH_STEP", "FLOW_SDE_STEP", "SDEStepOutput", "as_sigma",
     "check_attention", "check_sigmas", "check_step_tensors", "sde_std_dev_t",
 ]

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from . import SDEStepOutput, check_attention, check_sigmas, check_step_tensors, sde_std_dev_t
+from . import SDEStepOutput, as_sigma, check_attention, check_sigmas, check_step_tensors, sde_std_dev_t
 
 #: (rtol, atol) for comparing a kernel's output in a dtype against the float64 oracle (C1).
 TOLERANCES = {
@@ -28,7 +28,7 @@ def _f64(a) -> np.ndarray:
 
 def flow_match_step(x, v, sigma: float, sigma_next: float) -> np.ndarray:
     """``x + (sigma_next - sigma) * v`` in float64. Shapes: x, v (B, ...)."""
-    sigma, sigma_next = float(sigma), float(sigma_next)
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v)
     check_sigmas(sigma, sigma_next, sde=False)
     return _f64(x) + (sigma_next - sigma) * _f64(v)
@@ -42,7 +42,7 @@ def flow_sde_step(x, v, sigma: float, sigma_next: float, *, noise=None, prev_sam
     ``generator`` is a ``numpy.random.Generator`` here (the torch kernels take a
     ``torch.Generator``); pass ``noise`` to compare against a torch kernel.
     """
-    sigma, sigma_next = float(sigma), float(sigma_next)
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v, noise, prev_sample)
     check_sigmas(sigma, sigma_next, sde=True, sigma_max=sigma_max, noise_level=noise_level)
     x, v = _f64(x), _f64(v)
@@ -66,7 +66,8 @@ def flow_sde_step(x, v, sigma: float, sigma_next: float, *, noise=None, prev_sam
 def attention(q, k, v, attn_mask=None, scale: float | None = None) -> np.ndarray:
     """Softmax attention in float64, layout (B, heads, seq, dim): ``softmax(q k^T * scale + mask) v``.
 
-    A boolean mask keeps the True positions (the others get -inf); a float mask is added.
+    A boolean mask keeps the True positions (the others get -inf); a float mask is added. A
+    query whose keys are all masked out gets zeros (as torch's SDPA does).
     """
     check_attention(q, k, v)
     q, k, v = _f64(q), _f64(k), _f64(v)
@@ -78,7 +79,9 @@ def attention(q, k, v, attn_mask=None, scale: float | None = None) -> np.ndarray
             scores = np.where(mask, scores, -np.inf)
         else:
             scores = scores + mask.astype(np.float64)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
-    weights /= weights.sum(axis=-1, keepdims=True)
+    row_max = scores.max(axis=-1, keepdims=True)
+    dead = ~np.isfinite(row_max)  # every key masked out
+    weights = np.exp(scores - np.where(dead, 0.0, row_max))
+    total = weights.sum(axis=-1, keepdims=True)
+    weights = np.where(dead, 0.0, weights / np.where(dead, 1.0, total))
     return weights @ v

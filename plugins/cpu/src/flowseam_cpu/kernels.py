@@ -10,7 +10,14 @@ import math
 
 import torch
 import torch.nn.functional as F
-from flowseam.ops import SDEStepOutput, check_attention, check_sigmas, check_step_tensors, sde_std_dev_t
+from flowseam.ops import (
+    SDEStepOutput,
+    as_sigma,
+    check_attention,
+    check_sigmas,
+    check_step_tensors,
+    sde_std_dev_t,
+)
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -25,7 +32,7 @@ def flow_match_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: 
 
     Matches diffusers ``FlowMatchEulerDiscreteScheduler.step`` (which upcasts to float32).
     """
-    sigma, sigma_next = float(sigma), float(sigma_next)
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v)
     check_sigmas(sigma, sigma_next, sde=False)
     dt = sigma_next - sigma
@@ -40,7 +47,7 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
                   noise_level: float = 0.7, sigma_max: float | None = None,
                   generator: torch.Generator | None = None) -> SDEStepOutput:
     """Flow-GRPO's SDE step with log-prob (formulas and shapes in :mod:`flowseam.ops`)."""
-    sigma, sigma_next = float(sigma), float(sigma_next)
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v, noise, prev_sample)
     check_sigmas(sigma, sigma_next, sde=True, sigma_max=sigma_max, noise_level=noise_level)
     ct = _compute_dtype(x)
@@ -55,10 +62,10 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
             noise = torch.randn(x.shape, generator=generator, dtype=ct, device=x.device)
         sample = (mean + std * noise.to(ct)).to(x.dtype)
     else:
-        sample = prev_sample
+        sample = prev_sample.to(x.dtype)
     diff = sample.detach().to(ct) - mean
     log_density = diff.square() * (-0.5 / std**2) - (math.log(std) + _HALF_LOG_2PI)
-    log_prob = log_density.flatten(1).mean(dim=1)
+    log_prob = log_density.reshape(x.shape[0], -1).mean(dim=1)
     return SDEStepOutput(sample=sample, log_prob=log_prob, mean=mean,
                          std=torch.tensor(std, dtype=ct, device=x.device))
 
