@@ -85,7 +85,9 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
     else:
         obj = cls(**spec.config)
     if isinstance(obj, torch.nn.Module):
-        obj = obj.to(device=device, dtype=dtype) if dtype is not None else obj.to(device)
+        if dtype is not None and any(p.dtype != dtype for p in obj.parameters()):
+            obj = obj.to(dtype=dtype)
+        obj = obj.to(device)
         obj.eval()
     return obj
 

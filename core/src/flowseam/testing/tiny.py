@@ -1,7 +1,7 @@
 """Tiny, random-initialised diffusers checkpoints for tests (no download, CPU friendly).
 
 :func:`write_tiny_checkpoint` builds a complete pipeline out of the *real* diffusers and
-transformers classes, with every model shrunk to a few thousand parameters, and saves it
+transformers classes, with every model shrunk to 25k-140k parameters, and saves it
 with the pipeline's own ``save_pretrained`` (so ``model_index.json`` and every
 ``config.json`` are written by diffusers/transformers themselves). The directory loads back
 with ``diffusers.DiffusionPipeline.from_pretrained(path)`` with ``HF_HUB_OFFLINE=1``.
@@ -43,11 +43,12 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
                           **overrides) -> pathlib.Path:
     """Write a tiny random diffusers pipeline for ``card`` into the directory ``path``.
 
-    The models are initialised on CPU in float32 inside ``torch.random.fork_rng`` after
-    ``torch.manual_seed(seed)``, in a fixed order, so the same ``(card, seed, overrides)``
-    always writes byte-identical weights and the caller's global CPU RNG state is left as it
-    was. Everything is saved with the real pipeline's ``save_pretrained`` (safetensors), plus
-    a ``flowseam_tiny.json`` recording ``card``, ``seed`` and ``overrides``.
+    The models are initialised on CPU in float32, in a fixed order, inside
+    ``torch.random.fork_rng`` after seeding torch's default CPU generator with ``seed`` (the
+    CPU part of ``torch.manual_seed(seed)``), so the same ``(card, seed, overrides)`` always
+    writes byte-identical files, and the caller's RNG state (CPU and CUDA) is left untouched.
+    Everything is saved with the real pipeline's ``save_pretrained`` (safetensors), plus a
+    ``flowseam_tiny.json`` recording ``card``, ``seed`` and ``overrides``.
 
     Cards and what is written (default sizes):
 
@@ -137,8 +138,10 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
             raise FileExistsError(f"{str(out)!r} is not empty; write tiny checkpoints into a new "
                                   "directory")
 
+    # CPU-only equivalent of torch.manual_seed(seed): the models are built on CPU, and CUDA
+    # generators are left alone; fork_rng restores the caller's CPU RNG state afterwards.
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)
         pipe = _BUILDERS[card]({k: dict(v) for k, v in overrides.items()})
 
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,82 @@
+"""Route every attention call of a diffusers transformer through the platform's ``attention`` op.
+
+diffusers' own attention processors (``WanAttnProcessor``, ``FluxAttnProcessor``, ...) do the
+projections, norms, rotary embeddings and output projections; with the ``native`` backend they
+end in one ``torch.nn.functional.scaled_dot_product_attention`` call on ``(B, heads, seq, dim)``
+tensors — exactly the layout of flowseam's ``attention`` contract. :func:`route_attention`
+installs, through diffusers' public ``set_attention_backend`` / ``set_attn_processor`` API, a
+small processor that runs the stock processor unchanged inside a
+``torch.overrides.TorchFunctionMode`` which sends that one SDPA call to the resolved kernel. No
+diffusers code is copied and nothing is monkeypatched; undo restores the stock processors.
+
+The kernel is resolved once, when the model is loaded (never per step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_SDPA = F.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class _SDPARoute(TorchFunctionMode):
+    """Sends ``scaled_dot_product_attention`` to ``attn``; every other torch call passes through."""
+
+    def __init__(self, attn: Callable) -> None:
+        super().__init__()
+        self.attn = attn
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        a = dict(zip(_SDPA_ARGS, args), **kwargs)
+        if a.get("dropout_p", 0.0) or a.get("is_causal", False) or a.get("enable_gqa", False):
+            raise NotImplementedError(
+                "the attention op has no dropout, causal or GQA mode; got "
+                f"dropout_p={a.get('dropout_p')}, is_causal={a.get('is_causal')}, "
+                f"enable_gqa={a.get('enable_gqa')}")
+        self.calls += 1
+        return self.attn(a["query"], a["key"], a["value"], attn_mask=a.get("attn_mask"),
+                         scale=a.get("scale"))
+
+
+class RoutedAttnProcessor:
+    """Runs a model's own attention processor; only its SDPA call goes to ``attn``.
+
+    :raises RuntimeError: if the inner processor did not call SDPA (a non-native backend would
+        silently bypass the seam).
+    """
+
+    def __init__(self, inner: Any, attn: Callable) -> None:
+        self.inner = inner
+        self._mode = _SDPARoute(attn)
+
+    def __call__(self, attn_module, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None, **kwargs):
+        before = self._mode.calls
+        with self._mode:
+            out = self.inner(attn_module, hidden_states, encoder_hidden_states, attention_mask,
+                             rotary_emb, **kwargs)
+        if self._mode.calls == before:
+            raise RuntimeError(f"{type(self.inner).__name__} did not call scaled_dot_product_attention;"
+                               " its attention was not routed through the platform")
+        return out
+
+
+def route_attention(model: Any, attn: Callable) -> Callable[[], None]:
+    """Send every attention call of diffusers ``model`` (a ``ModelMixin`` with attention
+    processors: WanTransformer3DModel, FluxTransformer2DModel, ...) to ``attn(q, k, v,
+    attn_mask=None, scale=None)`` with q/k/v ``(B, heads, seq, head_dim)``.
+
+    :returns: a callable that restores the model's original processors.
+    """
+    original = dict(model.attn_processors)
+    model.set_attention_backend("native")
+    model.set_attn_processor({name: RoutedAttnProcessor(p, attn) for name, p in original.items()})
+    return lambda: model.set_attn_processor(original)

@@ -1,0 +1,189 @@
+"""ModelCard (what a model is) and ModelInstance (a loaded model driven by the shared loop).
+
+A card is declarative: the pipeline class it reads in ``model_index.json``, its components (name
+in the checkpoint → component kind), its loops, its defaults and its validation rules. A
+:class:`ModelInstance` holds the components the platform built for it, and implements the
+card-specific step bodies the shared loop (:mod:`flowseam.loops`) calls: ``check``, ``encode``,
+``schedule``, ``prepare_latents``, ``velocity`` and ``decode``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..request import DiffusionParams, GenerationRequest, TaskType
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..loops import LoopResult
+    from ..platform import Platform
+
+
+@dataclass(frozen=True)
+class ComponentEntry:
+    """One component of a card: its folder/name in the checkpoint and its kind."""
+
+    name: str
+    kind: str
+    required: bool = True
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A declarative description of one model.
+
+    :param name: the card's id (``"wan2.1-t2v"``).
+    :param pipeline_class: the ``_class_name`` in ``model_index.json`` that selects this card.
+    :param tasks: the tasks it serves.
+    :param components: its components in load order.
+    :param loops: the loops it runs (``"flow_match"``, with SERVE and ROLLOUT profiles).
+    :param defaults: default :class:`DiffusionParams` values.
+    :param rules: the validation rules, in words (shown by errors and docs).
+    :param instance: the :class:`ModelInstance` subclass implementing its step bodies.
+    """
+
+    name: str
+    pipeline_class: str
+    tasks: tuple[TaskType, ...]
+    components: tuple[ComponentEntry, ...]
+    defaults: dict[str, Any]
+    rules: tuple[str, ...]
+    instance: type["ModelInstance"]
+    loops: tuple[str, ...] = ("flow_match",)
+
+    @property
+    def task(self) -> TaskType:
+        return self.tasks[0]
+
+
+@dataclass
+class Conditioning:
+    """What the DiT is conditioned on for one request (card-specific fields in ``extra``)."""
+
+    prompt_embeds: torch.Tensor
+    negative_embeds: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ModelInstance:
+    """A loaded model: components built through ``platform.build_component``.
+
+    Subclasses implement the card-specific step bodies. Public entry point: :meth:`generate`.
+
+    :ivar versions: weights version per component name; a WeightSyncPlan bumps it, and every cache
+        keyed on weights (text embeddings) includes it.
+    """
+
+    card: ModelCard
+    #: the component names of the denoiser, VAE and text encoder in this card's checkpoint
+    DIT: ClassVar[str] = "transformer"
+
+    def __init__(self, card: ModelCard, platform: "Platform", components: dict[str, Any],
+                 path: Path | None, scheduler_config: dict[str, Any]) -> None:
+        self.card = card
+        self.platform = platform
+        self.components = components
+        self.path = path
+        self.scheduler_config = dict(scheduler_config)
+        self.versions: dict[str, int] = {name: 0 for name in components}
+        self._text_cache: dict[tuple, Any] = {}
+
+    # -- the public API --------------------------------------------------------------------
+    def generate(self, prompt: str | list[str], *, image: Any = None,
+                 params: DiffusionParams | None = None, seeds: list[int] | None = None,
+                 progress: bool = False) -> "LoopResult":
+        """Serve one request through the shared flow-match loop.
+
+        :param prompt: one prompt, or a list (one sample each).
+        :param image: the conditioning image for I2V (PIL image, path, or ``(H, W, 3)`` float
+            array in [0, 1]).
+        :param seeds: one seed per sample (default ``params.seed + i``).
+        :returns: a :class:`flowseam.loops.LoopResult`; ``.frames`` is ``(B, F, H, W, 3)``
+            float32 in [0, 1] (F = 1 for images).
+        :raises ValueError: for invalid parameters (naming the value and what is allowed).
+        """
+        from ..loops import ExecutionProfile, run_loop
+
+        request = GenerationRequest(prompt=prompt, task=self.card.task,
+                                    params=params or DiffusionParams(), image=image, seeds=seeds)
+        return run_loop(self, request, profile=ExecutionProfile.SERVE, progress=progress)
+
+    @property
+    def dit(self) -> torch.nn.Module:
+        return self.components[self.DIT]
+
+    def component_device(self, name: str) -> torch.device:
+        module = self.components[name]
+        try:
+            return next(module.parameters()).device
+        except (StopIteration, AttributeError):
+            return torch.device("cpu")
+
+    def component_dtype(self, name: str) -> torch.dtype:
+        try:
+            return next(self.components[name].parameters()).dtype
+        except (StopIteration, AttributeError):
+            return torch.float32
+
+    def bump_version(self, name: str) -> int:
+        """Mark ``name``'s weights as changed; caches keyed on them miss from now on."""
+        self.versions[name] = self.versions.get(name, 0) + 1
+        return self.versions[name]
+
+    def cached_text(self, key: tuple, compute) -> Any:
+        """``compute()`` cached under ``key`` (which must include the encoder weights version)."""
+        if key not in self._text_cache:
+            if len(self._text_cache) > 256:
+                self._text_cache.clear()
+            self._text_cache[key] = compute()
+        return self._text_cache[key]
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} card={self.card.name!r} platform={self.platform.name!r}>"
+
+    # -- step bodies (card-specific) -----------------------------------------------------------
+    def check(self, request: GenerationRequest) -> DiffusionParams:
+        raise NotImplementedError
+
+    def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
+        raise NotImplementedError
+
+    def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+        raise NotImplementedError
+
+    def prepare_latents(self, request: GenerationRequest, params: DiffusionParams,
+                        generators: list[torch.Generator], cond: Conditioning) -> torch.Tensor:
+        raise NotImplementedError
+
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                 params: DiffusionParams) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:
+        raise NotImplementedError
+
+
+def draw_noise(shape: tuple[int, ...], generators: list[torch.Generator],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Standard normal noise ``shape = (B, ...)``, row ``b`` drawn from ``generators[b]`` (as
+    diffusers' ``randn_tensor`` does with a list of generators), on the CPU.
+
+    :raises ValueError: if the number of generators is not B.
+    """
+    if len(generators) != shape[0]:
+        raise ValueError(f"{len(generators)} generators for a batch of {shape[0]}")
+    rows = [torch.randn((1, *shape[1:]), generator=g, dtype=dtype) for g in generators]
+    return torch.cat(rows, dim=0)
+
+
+def postprocess(decoded: torch.Tensor) -> np.ndarray:
+    """VAE output in [-1, 1] → float32 numpy in [0, 1] with channels last (diffusers'
+    ``VaeImageProcessor.postprocess(..., "np")``: ``(x * 0.5 + 0.5).clamp(0, 1)``)."""
+    out = (decoded * 0.5 + 0.5).clamp(0, 1)
+    if out.ndim == 5:  # (B, C, F, H, W) -> (B, F, H, W, C)
+        return out.permute(0, 2, 3, 4, 1).float().cpu().numpy()
+    return out.permute(0, 2, 3, 1).float().cpu().numpy()[:, None]  # (B, 1, H, W, C)

@@ -1,0 +1,155 @@
+"""FLUX.1 text-to-image (diffusers ``FluxPipeline`` layout: CLIP + T5 text encoders).
+
+Step bodies follow diffusers 0.42's FluxPipeline: pooled CLIP embedding plus T5 states (pads not
+masked), latents drawn in the T5 dtype as ``(B, 16, 2*(H//16), 2*(W//16))`` and packed into 2x2
+patch tokens ``(B, seq, 64)``, the flow shift ``mu`` from the token count (dynamic shifting,
+``calculate_shift``), the distilled guidance embedded (``guidance_embeds``), timestep passed as
+``sigma`` (``t / 1000`` in the latent dtype), decode ``x / scaling_factor + shift_factor``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..request import DiffusionParams, GenerationRequest, TaskType, check_common, check_multiple
+from .base import ComponentEntry, Conditioning, ModelCard, ModelInstance, draw_noise, postprocess
+
+
+class FluxT2I(ModelInstance):
+    """FLUX.1 text-to-image. Packed latents ``(B, (H/16)*(W/16), 64)``."""
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.components["vae"].config.block_out_channels) - 1)
+
+    # -- 1. check -------------------------------------------------------------------------------
+    def check(self, request: GenerationRequest) -> DiffusionParams:
+        params = request.params.with_defaults(self.card.defaults)
+        check_common(params, request)
+        multiple = self.vae_scale_factor * 2
+        for name in ("height", "width"):
+            check_multiple(name, getattr(params, name), multiple,
+                           f"VAE factor {self.vae_scale_factor} x 2x2 latent packing")
+        if params.num_frames not in (None, 1):
+            raise ValueError(f"num_frames={params.num_frames!r}: {self.card.name} makes images; "
+                             "leave it unset or 1")
+        if params.negative_prompt is not None:
+            raise ValueError("negative_prompt is not supported by flux.1-t2i: FLUX.1-dev is guidance-"
+                             "distilled (guidance_scale is embedded, there is no unconditional pass)")
+        if params.max_sequence_length > 512:
+            raise ValueError(f"max_sequence_length={params.max_sequence_length} must be <= 512")
+        if request.image is not None:
+            raise ValueError(f"{self.card.name} is text-to-image and takes no image")
+        return params.replace(num_frames=1)
+
+    # -- 2. encode ------------------------------------------------------------------------------
+    def _encode_one(self, prompt: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        clip_tok, clip = self.components["tokenizer"], self.components["text_encoder"]
+        t5_tok, t5 = self.components["tokenizer_2"], self.components["text_encoder_2"]
+        ids = clip_tok([prompt], padding="max_length", max_length=clip_tok.model_max_length,
+                       truncation=True, return_tensors="pt").input_ids
+        ids2 = t5_tok([prompt], padding="max_length", max_length=max_len, truncation=True,
+                      return_tensors="pt").input_ids
+        with torch.no_grad():
+            pooled = clip(ids.to(self.component_device("text_encoder")),
+                          output_hidden_states=False).pooler_output
+            embeds = t5(ids2.to(self.component_device("text_encoder_2")), output_hidden_states=False)[0]
+        return embeds, pooled
+
+    def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
+        version = (self.versions.get("text_encoder", 0), self.versions.get("text_encoder_2", 0))
+        max_len = params.max_sequence_length
+        rows = [self.cached_text(("flux", version, p, max_len), lambda p=p: self._encode_one(p, max_len))
+                for p in request.prompts]
+        device = self.component_device(self.DIT)
+        embeds = torch.cat([r[0] for r in rows]).to(device)
+        pooled = torch.cat([r[1] for r in rows]).to(device, self.component_dtype(self.DIT))
+        text_ids = torch.zeros(embeds.shape[1], 3, dtype=embeds.dtype, device=device)
+        return Conditioning(prompt_embeds=embeds, extra={"pooled": pooled, "text_ids": text_ids})
+
+    # -- 3. latents and sigmas -----------------------------------------------------------------
+    def prepare_latents(self, request: GenerationRequest, params: DiffusionParams,
+                        generators: list[torch.Generator], cond: Conditioning) -> torch.Tensor:
+        B = len(generators)
+        C = self.dit.config.in_channels // 4
+        h = 2 * (params.height // (self.vae_scale_factor * 2))
+        w = 2 * (params.width // (self.vae_scale_factor * 2))
+        latents = draw_noise((B, C, h, w), generators, dtype=cond.prompt_embeds.dtype)
+        latents = latents.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        latents = latents.reshape(B, (h // 2) * (w // 2), C * 4)
+        ids = torch.zeros(h // 2, w // 2, 3)
+        ids[..., 1] += torch.arange(h // 2)[:, None]
+        ids[..., 2] += torch.arange(w // 2)[None, :]
+        device = self.component_device(self.DIT)
+        cond.extra["img_ids"] = ids.reshape(-1, 3).to(device, latents.dtype)
+        return latents.to(device)
+
+    def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+        """``sigmas = linspace(1, 1/N, N)`` time-shifted by ``mu = calculate_shift(seq_len)``
+        (diffusers' FluxPipeline), or by the static ``flow_shift`` when one is given."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        n = params.num_steps
+        base = np.linspace(1.0, 1 / n, n)
+        if params.flow_shift is None:
+            c = self.scheduler_config
+            m = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (
+                c.get("max_image_seq_len", 4096) - c.get("base_image_seq_len", 256))
+            mu = latents.shape[1] * m + (c.get("base_shift", 0.5) - m * c.get("base_image_seq_len", 256))
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+                dict(self.scheduler_config, use_dynamic_shifting=True))
+            scheduler.set_timesteps(sigmas=base, device=latents.device, mu=mu)
+        else:
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+                dict(self.scheduler_config, use_dynamic_shifting=False, shift=params.flow_shift))
+            scheduler.set_timesteps(sigmas=base, device=latents.device)
+        return scheduler.sigmas.tolist(), scheduler.timesteps.to(torch.float32)
+
+    # -- 4. velocity ----------------------------------------------------------------------------
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                 params: DiffusionParams) -> torch.Tensor:
+        """Velocity ``(B, seq, 64)``; guidance is embedded (no second pass)."""
+        guidance = None
+        if self.dit.config.guidance_embeds:
+            guidance = torch.full([latents.shape[0]], params.guidance_scale, dtype=torch.float32,
+                                  device=latents.device)
+        return self.dit(hidden_states=latents, timestep=timestep.to(latents.dtype) / 1000,
+                        guidance=guidance, pooled_projections=cond.extra["pooled"],
+                        encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.extra["text_ids"],
+                        img_ids=cond.extra["img_ids"], return_dict=False)[0]
+
+    # -- 5. decode ------------------------------------------------------------------------------
+    def unpack(self, latents: torch.Tensor, params: DiffusionParams) -> torch.Tensor:
+        """Packed ``(B, seq, 4C)`` → ``(B, C, h, w)`` latents (diffusers' ``_unpack_latents``)."""
+        B, _, D = latents.shape
+        C = D // 4
+        h = 2 * (params.height // (self.vae_scale_factor * 2))
+        w = 2 * (params.width // (self.vae_scale_factor * 2))
+        return latents.view(B, h // 2, w // 2, C, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C, h, w)
+
+    def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:
+        """Packed latents → images ``(B, 1, H, W, 3)`` float32 in [0, 1]."""
+        vae = self.components["vae"]
+        x = self.unpack(latents, params) / vae.config.scaling_factor + vae.config.shift_factor
+        with torch.no_grad():
+            image = vae.decode(x.to(self.component_device("vae")), return_dict=False)[0]
+        return postprocess(image)
+
+
+FLUX_T2I = ModelCard(
+    name="flux.1-t2i", pipeline_class="FluxPipeline", tasks=(TaskType.T2I,),
+    components=(
+        ComponentEntry("tokenizer", "tokenizer"),
+        ComponentEntry("text_encoder", "text_encoder"),
+        ComponentEntry("tokenizer_2", "tokenizer"),
+        ComponentEntry("text_encoder_2", "text_encoder"),
+        ComponentEntry("vae", "vae"),
+        ComponentEntry("transformer", "dit"),
+    ),
+    defaults=dict(num_steps=28, guidance_scale=3.5, flow_shift=None, height=1024, width=1024,
+                  num_frames=1, max_sequence_length=512),
+    rules=("height and width divisible by 16 (VAE factor 8 x 2x2 packing)",
+           "num_steps >= 1; guidance_scale >= 0 (embedded guidance, FLUX.1-dev)",
+           "no negative prompt, no image", "max_sequence_length <= 512"),
+    instance=FluxT2I)

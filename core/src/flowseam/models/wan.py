@@ -1,0 +1,273 @@
+"""Wan2.1 text-to-video and image-to-video (diffusers ``WanPipeline`` /
+``WanImageToVideoPipeline`` layouts).
+
+Step bodies follow diffusers 0.42's pipelines so that, on the same weights, seed and parameters,
+flowseam's output equals diffusers' (tested): T5 embeddings zeroed past each prompt's length and
+padded to ``max_sequence_length``; CFG as two forwards, ``uncond + g * (cond - uncond)``, when
+``guidance_scale > 1``; timestep ``sigma * 1000`` in float32; latents ``x * std + mean`` before
+the VAE.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..request import DiffusionParams, GenerationRequest, TaskType, check_common, check_multiple
+from .base import ComponentEntry, Conditioning, ModelCard, ModelInstance, draw_noise, postprocess
+
+
+def clean_prompt(text: str) -> str:
+    """Wan's prompt cleaning: ftfy's fix_text, double HTML unescape, collapsed whitespace."""
+    import ftfy
+
+    text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class WanT2V(ModelInstance):
+    """Wan2.1 text-to-video. Latents ``(B, 16, (F - 1) // 4 + 1, H / 8, W / 8)`` float32."""
+
+    # -- 1. check -------------------------------------------------------------------------------
+    def check(self, request: GenerationRequest) -> DiffusionParams:
+        params = request.params.with_defaults(self.card.defaults)
+        check_common(params, request)
+        tf = self.vae_temporal_factor
+        if not isinstance(params.num_frames, int) or params.num_frames < 1 or params.num_frames % tf != 1:
+            k = max(0, (params.num_frames or 1) // tf)
+            raise ValueError(
+                f"num_frames={params.num_frames!r} is not of the form {tf}k+1 (Wan's VAE compresses "
+                f"time by {tf}); try {tf * k + 1} or {tf * (k + 1) + 1}")
+        multiple = self.vae_spatial_factor * self.dit.config.patch_size[1]
+        for name in ("height", "width"):
+            check_multiple(name, getattr(params, name), multiple,
+                           f"VAE factor {self.vae_spatial_factor} x patch {self.dit.config.patch_size[1]}")
+        if params.negative_prompt is not None and not isinstance(params.negative_prompt, str):
+            raise ValueError(f"negative_prompt={params.negative_prompt!r} must be a string")
+        self.check_image(request)
+        return params
+
+    def check_image(self, request: GenerationRequest) -> None:
+        if request.image is not None:
+            raise ValueError(f"{self.card.name} is text-to-video and takes no image; "
+                             "use a wan2.1-i2v checkpoint for image-to-video")
+
+    @property
+    def vae_temporal_factor(self) -> int:
+        return int(self.components["vae"].config.scale_factor_temporal)
+
+    @property
+    def vae_spatial_factor(self) -> int:
+        return int(self.components["vae"].config.scale_factor_spatial)
+
+    # -- 2. encode ------------------------------------------------------------------------------
+    def encode_text(self, prompts: list[str], max_len: int) -> torch.Tensor:
+        """T5 embeddings ``(B, max_len, D)`` in the DiT's dtype, zero past each prompt's length;
+        cached per (text encoder weights version, prompt, max_len)."""
+        version = self.versions.get("text_encoder", 0)
+        rows = [self.cached_text(("wan", version, p, max_len), lambda p=p: self._encode_one(p, max_len))
+                for p in prompts]
+        return torch.cat(rows, dim=0).to(device=self.component_device(self.DIT),
+                                          dtype=self.component_dtype(self.DIT))
+
+    def _encode_one(self, prompt: str, max_len: int) -> torch.Tensor:
+        tokenizer, encoder = self.components["tokenizer"], self.components["text_encoder"]
+        tok = tokenizer([clean_prompt(prompt)], padding="max_length", max_length=max_len,
+                        truncation=True, add_special_tokens=True, return_attention_mask=True,
+                        return_tensors="pt")
+        device = self.component_device("text_encoder")
+        with torch.no_grad():
+            hidden = encoder(tok.input_ids.to(device), tok.attention_mask.to(device)).last_hidden_state
+        length = int(tok.attention_mask.sum())
+        out = torch.zeros_like(hidden)
+        out[:, :length] = hidden[:, :length]
+        return out
+
+    def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
+        prompts = request.prompts
+        embeds = self.encode_text(prompts, params.max_sequence_length)
+        negative = None
+        if params.guidance_scale > 1.0:
+            negative = self.encode_text([params.negative_prompt or ""] * len(prompts),
+                                        params.max_sequence_length)
+        return Conditioning(prompt_embeds=embeds, negative_embeds=negative)
+
+    # -- 3. latents and sigmas -----------------------------------------------------------------
+    def latent_channels(self) -> int:
+        return int(self.dit.config.in_channels)
+
+    def prepare_latents(self, request: GenerationRequest, params: DiffusionParams,
+                        generators: list[torch.Generator], cond: Conditioning) -> torch.Tensor:
+        shape = (len(generators), self.latent_channels(),
+                 (params.num_frames - 1) // self.vae_temporal_factor + 1,
+                 params.height // self.vae_spatial_factor, params.width // self.vae_spatial_factor)
+        return draw_noise(shape, generators).to(self.component_device(self.DIT))
+
+    def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+        """diffusers' FlowMatchEulerDiscreteScheduler with the static flow shift: returns the
+        N + 1 sigmas (ending in 0) as floats and the N timesteps ``sigma * 1000`` (float32)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        config = dict(self.scheduler_config, shift=params.flow_shift, use_dynamic_shifting=False)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+        scheduler.set_timesteps(params.num_steps, device=latents.device)
+        return scheduler.sigmas.tolist(), scheduler.timesteps.to(torch.float32)
+
+    # -- 4. velocity ----------------------------------------------------------------------------
+    def dit_inputs(self, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, dict]:
+        return latents.to(self.component_dtype(self.DIT)), {}
+
+    def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                 params: DiffusionParams) -> torch.Tensor:
+        """CFG-guided velocity ``(B, 16, F', H', W')`` in the DiT's dtype."""
+        x, extra = self.dit_inputs(latents, cond)
+        v = self.dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
+                     return_dict=False, **extra)[0]
+        if cond.negative_embeds is not None:
+            v_uncond = self.dit(hidden_states=x, timestep=timestep,
+                                encoder_hidden_states=cond.negative_embeds, return_dict=False,
+                                **extra)[0]
+            v = v_uncond + params.guidance_scale * (v - v_uncond)
+        return v
+
+    # -- 5. decode ------------------------------------------------------------------------------
+    def latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self.components["vae"].config
+        z = config.z_dim
+        mean = torch.tensor(config.latents_mean).view(1, z, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, z, 1, 1, 1)
+        return mean, inv_std
+
+    def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:
+        """Latents → frames ``(B, F, H, W, 3)`` float32 in [0, 1]."""
+        vae = self.components["vae"]
+        device, dtype = self.component_device("vae"), self.component_dtype("vae")
+        mean, inv_std = (t.to(device, dtype) for t in self.latent_stats())
+        with torch.no_grad():
+            video = vae.decode(latents.to(device, dtype) / inv_std + mean, return_dict=False)[0]
+        return postprocess(video)
+
+
+class WanI2V(WanT2V):
+    """Wan2.1 image-to-video: the image is VAE-encoded into the first latent frame's condition
+    (mask + latents concatenated to the noise channels) and, through the CLIP image encoder, into
+    extra cross-attention tokens (diffusers' WanImageToVideoPipeline)."""
+
+    def check_image(self, request: GenerationRequest) -> None:
+        if request.image is None:
+            raise ValueError(f"{self.card.name} is image-to-video: pass image= (a PIL image, a path, "
+                             "or an (H, W, 3) float array in [0, 1])")
+        if len(request.prompts) != 1:
+            raise ValueError(f"{self.card.name} takes one image per request; got "
+                             f"{len(request.prompts)} prompts (run one request per image)")
+
+    def latent_channels(self) -> int:
+        return int(self.components["vae"].config.z_dim)
+
+    def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
+        if params.max_sequence_length != 512:
+            raise ValueError(f"max_sequence_length={params.max_sequence_length} must be 512 for "
+                             "Wan I2V (diffusers' WanAttnProcessor splits image/text tokens at 512)")
+        cond = super().encode(request, params)
+        image = load_image(request.image)
+        cond.extra["image"] = image
+        if "image_encoder" in self.components and self.dit.config.image_dim is not None:
+            processor, encoder = self.components["image_processor"], self.components["image_encoder"]
+            pixels = processor(images=image, return_tensors="pt")
+            device = self.component_device("image_encoder")
+            with torch.no_grad():
+                states = encoder(**{k: v.to(device) for k, v in pixels.items()},
+                                 output_hidden_states=True).hidden_states[-2]
+            cond.extra["image_embeds"] = states.repeat(len(request.prompts), 1, 1).to(
+                self.component_device(self.DIT), self.component_dtype(self.DIT))
+        return cond
+
+    def prepare_latents(self, request: GenerationRequest, params: DiffusionParams,
+                        generators: list[torch.Generator], cond: Conditioning) -> torch.Tensor:
+        latents = super().prepare_latents(request, params, generators, cond)  # noise drawn first
+        cond.extra["condition"] = self._image_condition(cond.extra["image"], params, latents)
+        return latents
+
+    def _image_condition(self, image, params: DiffusionParams, latents: torch.Tensor) -> torch.Tensor:
+        """``cat([mask (B, 4, F', h, w), normalised VAE mean of [image, zeros...]], dim=1)``."""
+        from PIL import Image
+
+        vae = self.components["vae"]
+        device, dtype = self.component_device("vae"), self.component_dtype("vae")
+        H, W, F = params.height, params.width, params.num_frames
+        resized = image.resize((W, H), resample=Image.LANCZOS)  # diffusers' video_processor
+        pixels = torch.from_numpy(np.asarray(resized).astype(np.float32) / 255.0).permute(2, 0, 1)[None]
+        pixels = pixels * 2.0 - 1.0
+        video = torch.cat([pixels[:, :, None], pixels.new_zeros(1, 3, F - 1, H, W)], dim=2)
+        with torch.no_grad():
+            latent = vae.encode(video.to(device, dtype)).latent_dist.mode()
+        mean, inv_std = (t.to(device, dtype) for t in self.latent_stats())
+        latent = ((latent - mean) * inv_std).to(torch.float32)
+        B = latents.shape[0]
+        mask = torch.zeros(B, self.vae_temporal_factor, *latents.shape[2:])
+        mask[:, :, 0] = 1.0
+        return torch.cat([mask, latent.repeat(B, 1, 1, 1, 1).cpu()], dim=1).to(latents.device)
+
+    def dit_inputs(self, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, dict]:
+        x = torch.cat([latents, cond.extra["condition"]], dim=1).to(self.component_dtype(self.DIT))
+        extra = {}
+        if "image_embeds" in cond.extra:
+            extra["encoder_hidden_states_image"] = cond.extra["image_embeds"]
+        return x, extra
+
+
+def load_image(image: Any):
+    """A PIL RGB image from a PIL image, a path, or an ``(H, W, 3)`` float array in [0, 1].
+
+    :raises ValueError: for anything else, naming what was given.
+    """
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, (str, Path)):
+        path = Path(image)
+        if not path.is_file():
+            raise ValueError(f"image {path} does not exist")
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    if isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3:
+        from ..media import to_uint8
+
+        return Image.fromarray(to_uint8(image))
+    raise ValueError(f"image={type(image).__name__} is not supported; pass a PIL image, a path, "
+                     "or an (H, W, 3) float array in [0, 1]")
+
+
+_WAN_COMMON = (
+    ComponentEntry("tokenizer", "tokenizer"),
+    ComponentEntry("text_encoder", "text_encoder"),
+    ComponentEntry("vae", "vae"),
+    ComponentEntry("transformer", "dit"),
+)
+_WAN_RULES = (
+    "num_frames = 4k+1 (the VAE compresses time by 4)",
+    "height and width divisible by 16 (VAE factor 8 x patch 2)",
+    "num_steps >= 1; guidance_scale >= 0 (CFG with the negative prompt when > 1)",
+)
+_WAN_DEFAULTS = dict(num_steps=50, guidance_scale=5.0, flow_shift=3.0, height=480, width=832,
+                     num_frames=81, max_sequence_length=512)
+
+WAN_T2V = ModelCard(
+    name="wan2.1-t2v", pipeline_class="WanPipeline", tasks=(TaskType.T2V,),
+    components=_WAN_COMMON, defaults=_WAN_DEFAULTS, rules=_WAN_RULES, instance=WanT2V)
+
+WAN_I2V = ModelCard(
+    name="wan2.1-i2v", pipeline_class="WanImageToVideoPipeline", tasks=(TaskType.I2V,),
+    components=_WAN_COMMON + (ComponentEntry("image_processor", "image_processor", required=False),
+                              ComponentEntry("image_encoder", "image_encoder", required=False)),
+    defaults=_WAN_DEFAULTS,
+    rules=_WAN_RULES + ("an image is required; it is resized to (height, width) with Lanczos, "
+                        "ignoring its aspect ratio (as diffusers does)",
+                        "max_sequence_length = 512"),
+    instance=WanI2V)

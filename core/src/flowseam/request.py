@@ -1,0 +1,121 @@
+"""Generation requests: the task, its parameters, and the checks every card applies.
+
+A request is a prompt plus :class:`DiffusionParams`; fields left ``None`` take the card's
+defaults (:meth:`DiffusionParams.with_defaults`). Each card validates the result before any
+model runs, and every error names the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TaskType(str, enum.Enum):
+    """What a request produces: an image from text, a video from text, a video from an image."""
+
+    T2I = "t2i"
+    T2V = "t2v"
+    I2V = "i2v"
+
+
+@dataclass(frozen=True)
+class DiffusionParams:
+    """Sampling parameters. ``None`` means "the card's default".
+
+    :param num_steps: denoising steps (>= 1).
+    :param guidance_scale: classifier-free guidance scale (Wan: CFG with the negative prompt when
+        > 1; FLUX.1-dev: the distilled guidance embedding, no second pass).
+    :param flow_shift: the flow shift of the sigma schedule,
+        ``sigma' = shift * sigma / (1 + (shift - 1) * sigma)`` (SD3 / Wan).
+    :param seed: seeds the initial latents (and SDE noise) through a ``torch.Generator``.
+    :param height, width: output size in pixels.
+    :param num_frames: video length in frames (Wan: 4k+1); 1 for images.
+    :param negative_prompt: the CFG negative prompt (Wan).
+    :param sde_rollout: use Flow-GRPO's SDE step (``flow_sde_step``) instead of the ODE step.
+    :param noise_level: the SDE step's noise level (Flow-GRPO's ``a``, default 0.7).
+    :param max_sequence_length: text tokens kept by the text encoder.
+    """
+
+    num_steps: int | None = None
+    guidance_scale: float | None = None
+    flow_shift: float | None = None
+    seed: int | None = 0
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    negative_prompt: str | None = None
+    sde_rollout: bool = False
+    noise_level: float = 0.7
+    max_sequence_length: int | None = None
+
+    def with_defaults(self, defaults: dict[str, Any]) -> "DiffusionParams":
+        """A copy with every ``None`` field filled from ``defaults`` (a card's)."""
+        filled = {k: v for k, v in defaults.items()
+                  if k in self.__dataclass_fields__ and getattr(self, k) is None}
+        return dataclasses.replace(self, **filled)
+
+    def replace(self, **changes: Any) -> "DiffusionParams":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class GenerationRequest:
+    """One request: prompts, an optional conditioning image, and its parameters.
+
+    :param prompt: one prompt or a list (one sample each; B = len).
+    :param image: for I2V, a PIL image, a path to one, or an ``(H, W, 3)`` float array in [0, 1];
+        it becomes the first frame.
+    :param seeds: one seed per sample; default ``params.seed + i``. Every sample gets its own
+        ``torch.Generator`` (initial latents and SDE noise), never one seed for the group.
+    """
+
+    prompt: str | list[str]
+    task: TaskType
+    params: DiffusionParams = field(default_factory=DiffusionParams)
+    image: Any = None
+    seeds: list[int] | None = None
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def sample_seeds(self, params: DiffusionParams) -> list[int]:
+        """One seed per prompt. Raises ValueError if ``seeds`` has the wrong length."""
+        n = len(self.prompts)
+        if self.seeds is None:
+            base = 0 if params.seed is None else params.seed
+            return [base + i for i in range(n)]
+        if len(self.seeds) != n:
+            raise ValueError(f"seeds has {len(self.seeds)} entries for {n} prompts; give one each")
+        return [int(s) for s in self.seeds]
+
+
+def check_common(params: DiffusionParams, request: GenerationRequest | None = None) -> None:
+    """Checks that hold for every card. Raises ValueError naming the bad value."""
+    if request is not None:
+        prompts = request.prompts
+        if not prompts or any(not isinstance(p, str) for p in prompts):
+            raise ValueError(f"prompt={request.prompt!r} must be a string or a non-empty list of strings")
+    if not isinstance(params.num_steps, int) or params.num_steps < 1:
+        raise ValueError(f"num_steps={params.num_steps!r} must be an integer >= 1")
+    if params.guidance_scale is not None and params.guidance_scale < 0:
+        raise ValueError(f"guidance_scale={params.guidance_scale!r} must be >= 0")
+    if params.flow_shift is not None and params.flow_shift <= 0:
+        raise ValueError(f"flow_shift={params.flow_shift!r} must be > 0")
+    for name in ("height", "width"):
+        value = getattr(params, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive number of pixels")
+    if params.noise_level < 0:
+        raise ValueError(f"noise_level={params.noise_level!r} must be >= 0")
+
+
+def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
+    """Raise ValueError if ``value`` is not a multiple of ``multiple``, suggesting neighbours."""
+    if value % multiple:
+        lo = max(multiple, value // multiple * multiple)
+        raise ValueError(f"{name}={value} is not divisible by {multiple} ({why}); "
+                         f"try {lo} or {lo + multiple}")
