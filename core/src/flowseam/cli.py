@@ -73,6 +73,72 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate an image or video (or run a workflow) and write it atomically."""
+    import time
+    from pathlib import Path
+
+    from . import media
+    from .loading import load
+    from .platform import Platform
+    from .request import DiffusionParams
+    from .workflows import WORKFLOWS
+
+    _quiet_libraries()
+    suffix = Path(args.output).suffix.lower()
+    if suffix not in media.IMAGE_SUFFIXES + media.VIDEO_SUFFIXES:
+        raise ValueError(f"--output {args.output}: unsupported suffix {suffix!r}; use .png for "
+                         "images, .mp4 or .gif for videos")
+    if args.image is not None and not Path(args.image).is_file():
+        raise ValueError(f"--image {args.image} does not exist")
+    if args.workflow is not None:
+        if args.workflow not in WORKFLOWS:
+            raise ValueError(f"--workflow {args.workflow!r} is unknown; available: {sorted(WORKFLOWS)}")
+        if len(args.model) != 2:
+            raise ValueError(f"--workflow {args.workflow} needs two --model checkpoints (text-to-"
+                             f"image, then image-to-video); got {len(args.model)}")
+    elif len(args.model) != 1:
+        raise ValueError(f"give one --model (got {len(args.model)}); two are for --workflow t2i-i2v")
+    params = DiffusionParams(num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
+                             height=args.height, width=args.width, num_frames=args.frames,
+                             negative_prompt=args.negative_prompt, flow_shift=args.flow_shift)
+    platform = Platform(args.backend) if args.backend else Platform.detect()
+    started = time.perf_counter()
+    if args.workflow is not None:
+        t2i, i2v = (load(m, platform=platform) for m in args.model)
+        workflow = WORKFLOWS[args.workflow](t2i, i2v)
+        image_params = params.replace(num_frames=None, negative_prompt=None)
+        result = workflow.run(args.prompt, t2i_params=image_params, i2v_params=params,
+                              seed=args.seed, progress=True)
+        frames, models = result.frames, [t2i, i2v]
+    else:
+        model = load(args.model[0], platform=platform)
+        result = model.generate(args.prompt, image=args.image, params=params, progress=True)
+        frames, models = result.frames, [model]
+    if frames.shape[1] > 1 and suffix in media.IMAGE_SUFFIXES:
+        raise ValueError(f"--output {args.output}: this request makes a {frames.shape[1]}-frame "
+                         "video; use .mp4 or .gif")
+    media.write_output(args.output, frames[0], fps=args.fps)
+    seconds = time.perf_counter() - started
+    print(f"wrote {args.output} ({frames.shape[1]} frame(s) of {frames.shape[2]}x{frames.shape[3]}) "
+          f"in {seconds:.2f} s")
+    for m in models:
+        print(m.provenance())
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Keep the console to flowseam's own progress bar and summary: diffusers' and transformers'
+    info logs and weight-loading bars are silenced (warnings and errors still show)."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowseam", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +147,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit non-zero if any plugin is broken")
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of broken plugins")
     p.set_defaults(func=cmd_backends)
+
+    g = sub.add_parser("generate", help="generate an image or a video from a checkpoint")
+    g.add_argument("--model", action="append", required=True, metavar="PATH",
+                   help="diffusers-format checkpoint directory or hub id (twice for --workflow)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--image", help="conditioning image for image-to-video")
+    g.add_argument("--workflow", help="a cross-model workflow, e.g. t2i-i2v")
+    g.add_argument("--steps", type=int, help="denoising steps (card default if unset)")
+    g.add_argument("--guidance", type=float, help="guidance scale")
+    g.add_argument("--flow-shift", type=float, help="flow shift of the sigma schedule")
+    g.add_argument("--negative-prompt")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--frames", type=int, help="video length in frames (Wan: 4k+1)")
+    g.add_argument("--height", type=int, help="pixels")
+    g.add_argument("--width", type=int, help="pixels")
+    g.add_argument("--fps", type=int, default=8, help="frames per second of a written video")
+    g.add_argument("--backend", help="backend name (default: the highest-priority available)")
+    g.add_argument("--output", required=True, help=".png for images, .mp4 or .gif for videos")
+    g.set_defaults(func=cmd_generate)
     return parser
 
 
@@ -89,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except FlowseamError as exc:
+    except (FlowseamError, ValueError) as exc:
         print(f"flowseam: error: {exc}", file=sys.stderr)
         return 2
 

@@ -71,6 +71,7 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None) ->
     card = card_for_index(index, str(root / "model_index.json"))
     platform = platform if platform is not None else Platform.detect()
     components: dict[str, Any] = {}
+    records = {}
     for entry in card.components:
         declared = index.get(entry.name)
         if not declared or declared[0] is None or declared[1] is None:
@@ -82,9 +83,11 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None) ->
         spec = ComponentSpec(name=entry.name, cls=f"{library}.{cls}", path=str(root),
                              subfolder=entry.name)
         components[entry.name] = _build(platform, entry.kind, spec, root)
+        records[entry.name] = platform.components[-1]
     scheduler_config = read_json(root / "scheduler" / "scheduler_config.json") \
         if (root / "scheduler").is_dir() else {}
     instance = card.instance(card, platform, components, root, scheduler_config)
+    instance.component_records = records
     route_attention(instance.dit, platform.kernels.get(ops.ATTENTION))
     return instance
 

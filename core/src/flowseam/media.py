@@ -27,6 +27,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -76,10 +79,11 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Pa
         if suffix == ".gif":
             imageio.mimsave(tmp, list(data), format="GIF", duration=1000.0 / fps, loop=0)
         else:
-            # H.264 needs even sizes; macro_block_size=1 keeps tiny frames as they are.
+            # yuv420p (what players expect) needs even sizes; odd sizes use yuv444p.
+            # macro_block_size=1 keeps tiny frames as they are instead of padding them to 16.
             with imageio.get_writer(tmp, format="FFMPEG", mode="I", fps=fps, codec="libx264",
                                     quality=8, macro_block_size=1,
-                                    ffmpeg_params=["-pix_fmt", "yuv420p"] if _even(data) else None) as w:
+                                    pixelformat="yuv420p" if _even(data) else "yuv444p") as w:
                 for frame in data:
                     w.append_data(frame)
     return path

@@ -91,6 +91,15 @@ class ModelInstance:
         self.scheduler_config = dict(scheduler_config)
         self.versions: dict[str, int] = {name: 0 for name in components}
         self._text_cache: dict[tuple, Any] = {}
+        #: name → ComponentRecord (where the platform built each component, and why there)
+        self.component_records: dict[str, Any] = {}
+
+    def provenance(self) -> str:
+        """One line: where each component and the serve kernels came from."""
+        comps = ", ".join(f"{n}={r.device}/{r.plugin}{' (fallback)' if r.fallback else ''}"
+                          for n, r in self.component_records.items() if r.kind in ("dit", "vae", "text_encoder", "image_encoder"))
+        kern = ", ".join(f"{op}={k.impl_id}" for op, k in self.platform.kernels.resolved().items())
+        return f"[{self.card.name}] components: {comps}; kernels: {kern}"
 
     # -- the public API --------------------------------------------------------------------
     def generate(self, prompt: str | list[str], *, image: Any = None,

@@ -1,0 +1,73 @@
+"""Workflows: cross-model pipelines whose stages are different models.
+
+The built-in ``t2i-i2v`` workflow runs a text-to-image model (``flux.1-t2i``), then feeds the
+generated image to an image-to-video model (``wan2.1-i2v``) as its first frame. Each stage is its
+own model instance with its own platform resolution (the two may run on different backends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .loops import ExecutionProfile, LoopResult, run_loop
+from .models.base import ModelInstance
+from .request import DiffusionParams, GenerationRequest, TaskType
+
+
+@dataclass
+class WorkflowResult:
+    """The artifact of every stage, in order (``stages[-1].frames`` is the final output)."""
+
+    stages: list[LoopResult] = field(default_factory=list)
+
+    @property
+    def frames(self):
+        return self.stages[-1].frames
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds["total"] for s in self.stages)
+
+
+class Workflow:
+    """A T2I → I2V workflow over two model instances.
+
+    :param t2i: an instance of a text-to-image card (``flux.1-t2i``).
+    :param i2v: an instance of an image-to-video card (``wan2.1-i2v``).
+    :raises ValueError: if a stage's card does not serve the task it is used for.
+    """
+
+    name = "t2i-i2v"
+
+    def __init__(self, t2i: ModelInstance, i2v: ModelInstance) -> None:
+        if TaskType.T2I not in t2i.card.tasks:
+            raise ValueError(f"stage 1 of {self.name} must be text-to-image; got {t2i.card.name}")
+        if TaskType.I2V not in i2v.card.tasks:
+            raise ValueError(f"stage 2 of {self.name} must be image-to-video; got {i2v.card.name}")
+        self.t2i, self.i2v = t2i, i2v
+
+    def requests(self, prompt: str, t2i_params: DiffusionParams, i2v_params: DiffusionParams,
+                 image: Any = None, seed: int = 0) -> tuple[GenerationRequest, GenerationRequest]:
+        """The two stage requests; the I2V image is filled in from stage 1 (size: stage 2's)."""
+        first = GenerationRequest(prompt, TaskType.T2I, t2i_params, seeds=[seed])
+        second = GenerationRequest(prompt, TaskType.I2V, i2v_params, image=image, seeds=[seed])
+        return first, second
+
+    def run(self, prompt: str, *, t2i_params: DiffusionParams | None = None,
+            i2v_params: DiffusionParams | None = None, seed: int = 0,
+            profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False) -> WorkflowResult:
+        """Generate an image from ``prompt``, then a video starting from that image.
+
+        :returns: a :class:`WorkflowResult`; ``.stages[0].frames`` is the image
+            ``(1, 1, H, W, 3)``, ``.frames`` the video ``(1, F, H, W, 3)``, both in [0, 1].
+        """
+        first, second = self.requests(prompt, t2i_params or DiffusionParams(),
+                                      i2v_params or DiffusionParams(), seed=seed)
+        image = run_loop(self.t2i, first, profile=profile, progress=progress)
+        second.image = image.frames[0, 0]
+        video = run_loop(self.i2v, second, profile=profile, progress=progress)
+        return WorkflowResult([image, video])
+
+
+WORKFLOWS = {Workflow.name: Workflow}

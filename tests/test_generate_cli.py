@@ -1,0 +1,102 @@
+"""Writing outputs (PNG, MP4, GIF; atomically) and ``flowseam generate``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import run_cli
+from PIL import Image
+
+from flowseam import media
+from flowseam.testing.tiny import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-ckpt")
+    return {c: write_tiny_checkpoint(c, root / c) for c in ("wan2.1-t2v", "wan2.1-i2v", "flux.1-t2i")}
+
+
+def _frames(f=5, h=32, w=32, seed=0):
+    return np.random.RandomState(seed).rand(f, h, w, 3).astype(np.float32)
+
+
+def test_png_roundtrip_and_mode(tmp_path):
+    img = _frames(1)[0]
+    out = media.write_output(tmp_path / "a.png", img[None])
+    back = np.asarray(Image.open(out)).astype(np.float32) / 255
+    assert np.abs(back - img).max() <= 0.5 / 255 + 1e-6
+    assert (out.stat().st_mode & 0o777) != 0o600
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".gif"])
+def test_video_has_every_frame(tmp_path, suffix):
+    import imageio.v3 as iio
+
+    frames = _frames(9, 32, 48)
+    out = media.write_output(tmp_path / f"v{suffix}", frames)
+    data = iio.imread(out)
+    assert data.shape[0] == 9 and data.shape[1:3] == (32, 48)
+
+
+def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    import imageio.v2 as imageio
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(imageio, "mimsave", broken)
+    with pytest.raises(OSError, match="disk full"):
+        media.write_output(tmp_path / "v.gif", _frames())
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="unsupported suffix '.txt'"):
+        media.write_output(tmp_path / "v.txt", _frames())
+    with pytest.raises(ValueError, match="a PNG holds one frame, got 5"):
+        media.write_output(tmp_path / "v.png", _frames())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_video_and_summary_line(ckpts, tmp_path):
+    out = tmp_path / "clip.mp4"
+    r = run_cli("generate", "--model", str(ckpts["wan2.1-t2v"]), "--prompt", "a cat", "--steps", "2",
+                "--frames", "5", "--height", "32", "--width", "32", "--backend", "cpu",
+                "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.is_file()
+    assert "wrote" in r.stdout and " s" in r.stdout
+    assert "transformer=cpu/cpu" in r.stdout and "flow_match_step=cpu:flow_match_step" in r.stdout
+
+
+def test_generate_workflow_writes_a_gif(ckpts, tmp_path):
+    out = tmp_path / "wf.gif"
+    r = run_cli("generate", "--workflow", "t2i-i2v", "--model", str(ckpts["flux.1-t2i"]),
+                "--model", str(ckpts["wan2.1-i2v"]), "--prompt", "a dog", "--steps", "2",
+                "--frames", "5", "--height", "32", "--width", "32", "--backend", "cpu",
+                "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.is_file() and "[flux.1-t2i]" in r.stdout and "[wan2.1-i2v]" in r.stdout
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--frames", "6"], "num_frames=6 is not of the form 4k+1"),
+    (["--output-suffix", ".txt"], "unsupported suffix '.txt'"),
+    (["--image", "/nonexistent.png"], "does not exist"),
+    (["--backend", "nosuch"], "unknown flowseam backend 'nosuch'"),
+    (["--model2"], "give one --model"),
+])
+def test_generate_bad_input_exits_nonzero_without_output(ckpts, tmp_path, args, match):
+    out = tmp_path / "x.mp4"
+    argv = ["generate", "--model", str(ckpts["wan2.1-t2v"]), "--prompt", "a", "--steps", "1",
+            "--height", "32", "--width", "32", "--output", str(out)]
+    if args == ["--output-suffix", ".txt"]:
+        argv[-1] = str(tmp_path / "x.txt")
+    elif args == ["--model2"]:
+        argv += ["--model", str(ckpts["wan2.1-t2v"])]
+    else:
+        argv += args
+    if "--frames" not in argv:
+        argv += ["--frames", "5"]
+    r = run_cli(*argv)
+    assert r.returncode != 0
+    assert match in r.stderr
+    assert list(tmp_path.iterdir()) == []
