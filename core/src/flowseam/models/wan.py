@@ -5,7 +5,7 @@ Step bodies follow diffusers 0.42's pipelines so that, on the same weights, seed
 flowseam's output equals diffusers' (tested): T5 embeddings zeroed past each prompt's length and
 padded to ``max_sequence_length``; CFG as two forwards, ``uncond + g * (cond - uncond)``, when
 ``guidance_scale > 1``; timestep ``sigma * 1000`` in float32; latents ``x * std + mean`` before
-the VAE.
+the VAE. (CFG runs as one 2B batch rather than two forwards: equal to float rounding.)
 """
 
 from __future__ import annotations
@@ -124,16 +124,21 @@ class WanT2V(ModelInstance):
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
                  params: DiffusionParams) -> torch.Tensor:
-        """CFG-guided velocity ``(B, 16, F', H', W')`` in the DiT's dtype."""
+        """CFG-guided velocity ``(B, 16, F', H', W')`` in the DiT's dtype.
+
+        With CFG the conditional and unconditional passes run as one batch of 2B (diffusers runs
+        two forwards; the results agree to float rounding), then
+        ``v = v_uncond + guidance_scale * (v_cond - v_uncond)``.
+        """
         x, extra = self.dit_inputs(latents, cond)
-        v = self.dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
-                     return_dict=False, **extra)[0]
-        if cond.negative_embeds is not None:
-            v_uncond = self.dit(hidden_states=x, timestep=timestep,
-                                encoder_hidden_states=cond.negative_embeds, return_dict=False,
-                                **extra)[0]
-            v = v_uncond + params.guidance_scale * (v - v_uncond)
-        return v
+        if cond.negative_embeds is None:
+            return self.dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
+                            return_dict=False, **extra)[0]
+        both = self.dit(hidden_states=torch.cat([x, x]), timestep=torch.cat([timestep, timestep]),
+                        encoder_hidden_states=torch.cat([cond.negative_embeds, cond.prompt_embeds]),
+                        return_dict=False, **{k: torch.cat([v, v]) for k, v in extra.items()})[0]
+        v_uncond, v_cond = both.chunk(2)
+        return v_uncond + params.guidance_scale * (v_cond - v_uncond)
 
     # -- 5. decode ------------------------------------------------------------------------------
     def latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:

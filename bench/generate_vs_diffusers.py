@@ -1,0 +1,114 @@
+"""flowseam vs diffusers: the same Wan2.1 T2V generation, alternating in one process.
+
+A small but non-trivial Wan config (4 layers, inner width 128 = 4 heads x 32, ffn 256; 17 frames
+at 64x64; 10 steps; CFG on, guidance 5.0), random weights written by
+``flowseam.testing.tiny.write_tiny_checkpoint``. Both sides load the same checkpoint; after one
+warm-up run each, they alternate ``--repeats`` times. Reports the median seconds of each, the
+ratio flowseam/diffusers (goal <= 1.0), the max-abs difference of their outputs, and the peak
+resident-memory growth of each run (sampled from /proc/self/statm every 2 ms by a thread).
+
+Run: .venv/bin/python bench/generate_vs_diffusers.py [--repeats 5] [--backend cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Peak RSS growth (bytes) while the block runs."""
+
+    def __enter__(self):
+        self.start = self.peak = rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        self.growth = self.peak - self.start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+
+    import diffusers
+
+    import flowseam
+    from flowseam.testing.tiny import write_tiny_checkpoint
+
+    diffusers.utils.logging.set_verbosity_error()
+    root = Path(tempfile.mkdtemp(prefix="fs-bench-"))
+    ckpt = write_tiny_checkpoint("wan2.1-t2v", root / "wan", transformer=dict(
+        num_layers=4, num_attention_heads=4, attention_head_dim=32, ffn_dim=256))
+    H = W = 64
+    F = 17
+    prompt, negative = "a red ball bouncing on a wooden floor", "blurry, low quality"
+
+    model = flowseam.load(ckpt, platform=flowseam.Platform(args.backend))
+    params = flowseam.DiffusionParams(num_steps=args.steps, guidance_scale=5.0, height=H, width=W,
+                                      num_frames=F, seed=0, negative_prompt=negative)
+    pipe = diffusers.WanPipeline.from_pretrained(ckpt)
+    pipe.set_progress_bar_config(disable=True)
+
+    def run_flowseam():
+        return model.generate(prompt, params=params).frames
+
+    def run_diffusers():
+        return pipe(prompt=prompt, negative_prompt=negative, num_inference_steps=args.steps,
+                    guidance_scale=5.0, height=H, width=W, num_frames=F,
+                    generator=torch.Generator().manual_seed(0), output_type="np").frames
+
+    ours, theirs = run_flowseam(), run_diffusers()  # warm-up (and parity)
+    times = {"flowseam": [], "diffusers": []}
+    peaks = {"flowseam": [], "diffusers": []}
+    order = [("flowseam", run_flowseam), ("diffusers", run_diffusers)]
+    for _ in range(args.repeats):
+        order.reverse()  # alternate who goes first (allocator reuse favours the second)
+        for name, fn in order:
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+            peaks[name].append(mem.growth)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"Wan2.1 T2V, 4 layers x width 128, {F} frames {H}x{W}, {args.steps} steps, CFG 5.0; "
+          f"backend {args.backend}; torch threads {torch.get_num_threads()}")
+    for name in ("flowseam", "diffusers"):
+        print(f"  {name:<10} median {med[name]:.3f} s  (runs: "
+              f"{', '.join(f'{t:.3f}' for t in times[name])}); peak RSS growth "
+              f"{max(peaks[name]) / 2**20:.1f} MiB")
+    print(f"  ratio flowseam/diffusers = {med['flowseam'] / med['diffusers']:.3f}  (goal <= 1.0)")
+    print(f"  max |flowseam - diffusers| = {np.abs(ours - theirs).max():.2e}")
+
+
+if __name__ == "__main__":
+    main()
