@@ -127,6 +127,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run a registered training method with a TOML/YAML config."""
+    from .training import get_method
+    from .training.config import load_config
+
+    _quiet_libraries()
+    method = get_method(args.method)  # unknown → error listing the registered methods
+    config = load_config(args.config)
+    for override in args.set or []:
+        key, sep, value = override.partition("=")
+        if not sep:
+            raise ValueError(f"--set {override!r} must look like key=value")
+        import json
+        try:
+            config[key] = json.loads(value)
+        except ValueError:
+            config[key] = value
+    summary = method(config).run(progress=True)
+    last = summary["records"][-1] if summary["records"] else {}
+    shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in last.items()
+             if k.startswith(("step", "reward_mean", "loss", "ratio", "t2i_ratio", "i2v_ratio"))}
+    print(f"{args.method}: {summary['steps']} steps; last: {shown}")
+    if config.get("output_dir"):
+        print(f"metrics: {config['output_dir']}/metrics.jsonl")
+    return 0
+
+
 def _quiet_libraries() -> None:
     """Keep the console to flowseam's own progress bar and summary: diffusers' and transformers'
     info logs and weight-loading bars are silenced (warnings and errors still show)."""
@@ -166,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", help="backend name (default: the highest-priority available)")
     g.add_argument("--output", required=True, help=".png for images, .mp4 or .gif for videos")
     g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train", help="run a training method (finetune, flowgrpo, workflow_rl, ...)")
+    t.add_argument("--method", required=True, help="a registered training method")
+    t.add_argument("--config", required=True, help="a .toml or .yaml config file")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a top-level config key (value parsed as JSON when it can be)")
+    t.set_defaults(func=cmd_train)
     return parser
 
 

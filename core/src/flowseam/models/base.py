@@ -169,11 +169,23 @@ class ModelInstance:
         raise NotImplementedError
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                 params: DiffusionParams) -> torch.Tensor:
+                 params: DiffusionParams, dit: torch.nn.Module | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:
         raise NotImplementedError
+
+    def encode_latents(self, frames: np.ndarray | torch.Tensor, params: DiffusionParams) -> torch.Tensor:
+        """The inverse of :meth:`decode` (VAE mean, normalised as the DiT sees latents): frames
+        ``(B, F, H, W, 3)`` in [0, 1] → latents of :meth:`prepare_latents`' shape, float32.
+        Used by the flow-matching loss of the ``finetune`` method."""
+        raise NotImplementedError
+
+
+def frames_to_pixels(frames: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """``(B, F, H, W, 3)`` in [0, 1] → ``(B, 3, F, H, W)`` float32 in [-1, 1]."""
+    x = torch.as_tensor(np.asarray(frames, dtype=np.float32)) if not torch.is_tensor(frames) else frames.float()
+    return x.permute(0, 4, 1, 2, 3) * 2.0 - 1.0
 
 
 def draw_noise(shape: tuple[int, ...], generators: list[torch.Generator],

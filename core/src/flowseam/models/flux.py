@@ -13,7 +13,15 @@ import numpy as np
 import torch
 
 from ..request import DiffusionParams, GenerationRequest, TaskType, check_common, check_multiple
-from .base import ComponentEntry, Conditioning, ModelCard, ModelInstance, draw_noise, postprocess
+from .base import (
+    ComponentEntry,
+    Conditioning,
+    ModelCard,
+    ModelInstance,
+    draw_noise,
+    frames_to_pixels,
+    postprocess,
+)
 
 
 class FluxT2I(ModelInstance):
@@ -75,9 +83,7 @@ class FluxT2I(ModelInstance):
         C = self.dit.config.in_channels // 4
         h = 2 * (params.height // (self.vae_scale_factor * 2))
         w = 2 * (params.width // (self.vae_scale_factor * 2))
-        latents = draw_noise((B, C, h, w), generators, dtype=cond.prompt_embeds.dtype)
-        latents = latents.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        latents = latents.reshape(B, (h // 2) * (w // 2), C * 4)
+        latents = self.pack(draw_noise((B, C, h, w), generators, dtype=cond.prompt_embeds.dtype))
         ids = torch.zeros(h // 2, w // 2, 3)
         ids[..., 1] += torch.arange(h // 2)[:, None]
         ids[..., 2] += torch.arange(w // 2)[None, :]
@@ -108,13 +114,14 @@ class FluxT2I(ModelInstance):
 
     # -- 4. velocity ----------------------------------------------------------------------------
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                 params: DiffusionParams) -> torch.Tensor:
+                 params: DiffusionParams, dit: torch.nn.Module | None = None) -> torch.Tensor:
         """Velocity ``(B, seq, 64)``; guidance is embedded (no second pass)."""
+        dit = self.dit if dit is None else dit
         guidance = None
         if self.dit.config.guidance_embeds:
             guidance = torch.full([latents.shape[0]], params.guidance_scale, dtype=torch.float32,
                                   device=latents.device)
-        return self.dit(hidden_states=latents, timestep=timestep.to(latents.dtype) / 1000,
+        return dit(hidden_states=latents, timestep=timestep.to(latents.dtype) / 1000,
                         guidance=guidance, pooled_projections=cond.extra["pooled"],
                         encoder_hidden_states=cond.prompt_embeds, txt_ids=cond.extra["text_ids"],
                         img_ids=cond.extra["img_ids"], return_dict=False)[0]
@@ -127,6 +134,22 @@ class FluxT2I(ModelInstance):
         h = 2 * (params.height // (self.vae_scale_factor * 2))
         w = 2 * (params.width // (self.vae_scale_factor * 2))
         return latents.view(B, h // 2, w // 2, C, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, C, h, w)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, h, w)`` → ``(B, (h/2)*(w/2), 4C)`` 2x2 patch tokens (diffusers' ``_pack_latents``)."""
+        B, C, h, w = x.shape
+        x = x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(B, (h // 2) * (w // 2), C * 4)
+
+    def encode_latents(self, frames, params: DiffusionParams) -> torch.Tensor:
+        """Images ``(B, 1, H, W, 3)`` in [0, 1] → packed ``(x - shift) * scaling`` VAE means."""
+        vae = self.components["vae"]
+        pixels = frames_to_pixels(frames)[:, :, 0]
+        with torch.no_grad():
+            latent = vae.encode(pixels.to(self.component_device("vae"), self.component_dtype("vae"))
+                                ).latent_dist.mode()
+        latent = (latent - vae.config.shift_factor) * vae.config.scaling_factor
+        return self.pack(latent.float()).to(self.component_device(self.DIT))
 
     def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:
         """Packed latents → images ``(B, 1, H, W, 3)`` float32 in [0, 1]."""

@@ -19,7 +19,15 @@ import numpy as np
 import torch
 
 from ..request import DiffusionParams, GenerationRequest, TaskType, check_common, check_multiple
-from .base import ComponentEntry, Conditioning, ModelCard, ModelInstance, draw_noise, postprocess
+from .base import (
+    ComponentEntry,
+    Conditioning,
+    ModelCard,
+    ModelInstance,
+    draw_noise,
+    frames_to_pixels,
+    postprocess,
+)
 
 
 def clean_prompt(text: str) -> str:
@@ -123,18 +131,19 @@ class WanT2V(ModelInstance):
         return latents.to(self.component_dtype(self.DIT)), {}
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                 params: DiffusionParams) -> torch.Tensor:
+                 params: DiffusionParams, dit: torch.nn.Module | None = None) -> torch.Tensor:
         """CFG-guided velocity ``(B, 16, F', H', W')`` in the DiT's dtype.
 
         With CFG the conditional and unconditional passes run as one batch of 2B (diffusers runs
         two forwards; the results agree to float rounding), then
         ``v = v_uncond + guidance_scale * (v_cond - v_uncond)``.
         """
+        dit = self.dit if dit is None else dit
         x, extra = self.dit_inputs(latents, cond)
         if cond.negative_embeds is None:
-            return self.dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
+            return dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
                             return_dict=False, **extra)[0]
-        both = self.dit(hidden_states=torch.cat([x, x]), timestep=torch.cat([timestep, timestep]),
+        both = dit(hidden_states=torch.cat([x, x]), timestep=torch.cat([timestep, timestep]),
                         encoder_hidden_states=torch.cat([cond.negative_embeds, cond.prompt_embeds]),
                         return_dict=False, **{k: torch.cat([v, v]) for k, v in extra.items()})[0]
         v_uncond, v_cond = both.chunk(2)
@@ -156,6 +165,16 @@ class WanT2V(ModelInstance):
         with torch.no_grad():
             video = vae.decode(latents.to(device, dtype) / inv_std + mean, return_dict=False)[0]
         return postprocess(video)
+
+
+    def encode_latents(self, frames, params: DiffusionParams) -> torch.Tensor:
+        """Frames ``(B, F, H, W, 3)`` in [0, 1] → normalised VAE means ``(B, 16, F', H/8, W/8)``."""
+        vae = self.components["vae"]
+        device, dtype = self.component_device("vae"), self.component_dtype("vae")
+        mean, inv_std = (t.to(device, dtype) for t in self.latent_stats())
+        with torch.no_grad():
+            latent = vae.encode(frames_to_pixels(frames).to(device, dtype)).latent_dist.mode()
+        return ((latent - mean) * inv_std).to(self.component_device(self.DIT), torch.float32)
 
 
 class WanI2V(WanT2V):

@@ -1,0 +1,151 @@
+"""Pieces every RL method shares: seeds, the policy/reference/optimizer set-up of one stage,
+checkpoint and metrics plumbing."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import FlowseamError
+from ..models.base import ModelInstance
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .metrics import MetricsWriter, read_metrics
+from .weight_sync import WeightRole, WeightSyncPlan
+
+OPTIM_DEFAULTS = dict(lr=1e-4, weight_decay=1e-4, beta1=0.9, beta2=0.999, adam_eps=1e-8)
+LORA_DEFAULTS = dict(rank=0, alpha=None, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+
+
+def derive_seed(base: int, *keys: int) -> int:
+    """A 31-bit seed that depends only on ``(base, *keys)`` (numpy's SeedSequence), so a resumed
+    run draws exactly what an uninterrupted one would."""
+    return int(np.random.SeedSequence([int(base), *map(int, keys)]).generate_state(1)[0] >> 1)
+
+
+@dataclass
+class Stage:
+    """The trainable side of one model: the trainer's policy copy of the DiT, a frozen
+    reference copy (KL), an AdamW optimizer, and the WeightSyncPlan that hands the policy to the
+    instance that rolls out."""
+
+    name: str
+    model: ModelInstance
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    sync: WeightSyncPlan
+
+    @classmethod
+    def create(cls, name: str, model: ModelInstance, optim: dict[str, Any], lora: dict[str, Any],
+               with_reference: bool) -> "Stage":
+        if lora["rank"]:
+            _add_lora(model.dit, lora)  # the rollout copy gets the same adapters (zero-initialised)
+        policy = copy.deepcopy(model.dit)
+        reference = copy.deepcopy(model.dit).requires_grad_(False) if with_reference else None
+        if lora["rank"]:
+            for n, p in policy.named_parameters():
+                p.requires_grad_("lora_" in n)
+        else:
+            policy.requires_grad_(True)
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=optim["lr"], weight_decay=optim["weight_decay"],
+                                      betas=(optim["beta1"], optim["beta2"]), eps=optim["adam_eps"])
+        plan = WeightSyncPlan(policy, model, model.DIT, WeightRole.STUDENT)
+        return cls(name, model, policy, reference, optimizer, plan)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
+
+
+def _add_lora(module: torch.nn.Module, lora: dict[str, Any]) -> None:
+    from peft import LoraConfig
+
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"] or lora["rank"],
+                        target_modules=list(lora["target_modules"]), init_lora_weights=True)
+    module.add_adapter(config)
+
+
+@dataclass
+class RunFiles:
+    """Where a run writes: ``metrics.jsonl`` and ``checkpoints/`` under ``output_dir``."""
+
+    output_dir: Path | None
+    checkpoint_every: int = 0
+    metrics: MetricsWriter | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def open(self, resumed_step: int) -> None:
+        if self.output_dir is None:
+            return
+        path = self.output_dir / "metrics.jsonl"
+        if resumed_step and path.is_file():  # drop lines past the checkpoint we resume from
+            keep = [r for r in read_metrics(path) if r.get("step", 0) <= resumed_step]
+            path.write_text("".join(__import__("json").dumps(r) + "\n" for r in keep))
+        self.metrics = MetricsWriter(path, append=bool(resumed_step))
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return None if self.output_dir is None else self.output_dir / "checkpoints"
+
+    def resume(self, stages: list[Stage]) -> dict[str, Any] | None:
+        """Load the latest checkpoint into the stages (and their rollout instances)."""
+        if self.checkpoint_dir is None:
+            return None
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return None
+        state = load_checkpoint(path, {s.name: s.policy for s in stages},
+                                {s.name: s.optimizer for s in stages})
+        for s in stages:
+            s.sync.sync()  # the rollout copy gets the restored weights...
+            s.sync.version = state["sync_versions"][s.name]  # ...under the version it had
+            s.model.versions[s.model.DIT] = state["weights_versions"][s.name]
+        return state
+
+    def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any]) -> Path | None:
+        if not self.checkpoint_every or self.checkpoint_dir is None or step % self.checkpoint_every:
+            return None
+        return save_checkpoint(
+            self.checkpoint_dir, step, {s.name: s.policy for s in stages},
+            {s.name: s.optimizer for s in stages},
+            {"sync_versions": {s.name: s.sync.version for s in stages},
+             "weights_versions": {s.name: s.model.versions[s.model.DIT] for s in stages}, **extra})
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+class Timer:
+    """Accumulates wall seconds per phase: ``with timer("rollout"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, phase: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[phase] = timer.seconds.get(phase, 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+
+def require_group_size(k: int) -> None:
+    if not isinstance(k, int) or k < 2:
+        raise FlowseamError(f"group_size={k!r} must be an integer >= 2: Flow-GRPO's advantage is "
+                            "relative to the other samples of the same prompt")

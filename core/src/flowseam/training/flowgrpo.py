@@ -1,0 +1,186 @@
+"""The ``flowgrpo`` training method: Flow-GRPO on one model (text-to-image or text-to-video).
+
+Each step: for each of ``prompts_per_step`` prompts, roll out a group of ``group_size`` samples
+with the SDE step (the serve loop with ``ExecutionProfile.ROLLOUT``; every member has its own
+seed), score them with the reward plugin, compute group-relative advantages, run the PPO update
+(:func:`flowseam.training.grpo.ppo_update`) on the trainer's copy of the DiT, and hand the new
+weights to the rollout instance through a :class:`WeightSyncPlan`.
+
+Config (TOML/YAML or dict)::
+
+    model = "path/to/checkpoint"       # diffusers-format directory
+    backend = "cpu"                    # optional; default Platform.detect()
+    prompts = ["a red ball", ...]
+    reward = "brightness"              # a registered reward plugin; reward_args = {...}
+    group_size = 4                     # K >= 2
+    prompts_per_step = 1
+    steps = 20
+    seed = 0
+    output_dir = "runs/grpo"           # metrics.jsonl and checkpoints/ (optional)
+    checkpoint_every = 10              # 0: never
+    [sampling]  num_steps, height, width, num_frames, guidance_scale, noise_level, flow_shift,
+                negative_prompt, max_sequence_length
+    [grpo]      clip_range, adv_clip_max, beta, inner_epochs, timestep_fraction, max_grad_norm, eps
+    [optim]     lr, weight_decay, beta1, beta2, adam_eps
+    [lora]      rank (0 = full fine-tune), alpha, target_modules
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FlowseamError
+from ..loading import load
+from ..loops import ExecutionProfile, run_loop
+from ..models.base import ModelInstance
+from ..platform import Platform
+from ..request import DiffusionParams, GenerationRequest, TaskType
+from . import get_reward
+from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, require_group_size
+from .config import section
+from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, group_advantages, ppo_update
+from .rewards import score
+
+TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness", reward_args={},
+                    group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
+                    checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={})
+SAMPLING_DEFAULTS = dict(num_steps=4, height=None, width=None, num_frames=None, guidance_scale=None,
+                         noise_level=0.7, flow_shift=None, negative_prompt=None,
+                         max_sequence_length=None)
+
+
+def check_top(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise FlowseamError(f"config has unknown key(s) {unknown}; allowed: {sorted(defaults)}")
+    return {**defaults, **config}
+
+
+def sampling_params(sampling: dict[str, Any]) -> DiffusionParams:
+    return DiffusionParams(sde_rollout=True, **sampling)
+
+
+class FlowGRPO:
+    """Flow-GRPO on one model. ``FlowGRPO(config).run()``; see the module docstring.
+
+    :param model: an already loaded instance (else ``config["model"]`` is loaded).
+    :param reward: a reward callable (else ``config["reward"]`` is resolved among the plugins).
+    :raises FlowseamError: for an invalid config (unknown keys, group_size < 2, no prompts).
+    """
+
+    name = "flowgrpo"
+
+    def __init__(self, config: dict[str, Any], model: ModelInstance | None = None, reward=None) -> None:
+        self.config = cfg = check_top(config, TOP_DEFAULTS)
+        require_group_size(cfg["group_size"])
+        if not cfg["prompts"] or not all(isinstance(p, str) for p in cfg["prompts"]):
+            raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of strings")
+        self.sampling = section(cfg, "sampling", SAMPLING_DEFAULTS)
+        self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
+        optim = section(cfg, "optim", OPTIM_DEFAULTS)
+        lora = section(cfg, "lora", LORA_DEFAULTS)
+        if model is None:
+            if not cfg["model"]:
+                raise FlowseamError("config needs model = <checkpoint directory>")
+            platform = Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()
+            model = load(cfg["model"], platform=platform)
+        if TaskType.I2V in model.card.tasks:
+            raise FlowseamError(f"flowgrpo trains text-conditioned models; {model.card.name} needs an "
+                                "image per prompt (use the workflow_rl method for image-to-video)")
+        self.model = model
+        self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
+        self.stage = Stage.create("dit", model, optim, lora, with_reference=self.grpo.beta > 0)
+        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
+                              cfg["checkpoint_every"])
+        self.step = 0
+        self.last_stats = None
+        self.skipped_groups = 0
+
+    # -- one step ---------------------------------------------------------------------------
+    def rollout(self, step: int) -> tuple[list[Trajectory], list, list[str]]:
+        """One group of ``group_size`` SDE rollouts per prompt of this step."""
+        cfg, K = self.config, self.config["group_size"]
+        params = sampling_params(self.sampling)
+        trajectories, results, prompts = [], [], []
+        for i in range(cfg["prompts_per_step"]):
+            prompt = cfg["prompts"][(step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
+            seeds = [derive_seed(cfg["seed"], step, i, k) for k in range(K)]
+            request = GenerationRequest([prompt] * K, self.model.card.task, params, seeds=seeds)
+            result = run_loop(self.model, request, profile=ExecutionProfile.ROLLOUT)
+            trajectories.append(Trajectory(self.model, result, torch.zeros(K)))
+            prompts.append(prompt)
+            results.append(result)
+        return trajectories, results, prompts
+
+    def train_step(self) -> dict[str, Any]:
+        """One Flow-GRPO step; returns its metrics (also written to metrics.jsonl)."""
+        timer = Timer()
+        K = self.config["group_size"]
+        with timer("rollout"):
+            trajectories, results, prompts = self.rollout(self.step)
+        with timer("reward"):
+            rewards = torch.stack([score(self.reward, [p] * K, r.frames) for p, r in zip(prompts, results)])
+        adv, valid, adv_stats = group_advantages(rewards, self.grpo)
+        if adv_stats["groups_skipped_nan"]:
+            self.skipped_groups += adv_stats["groups_skipped_nan"]
+            warnings.warn(f"step {self.step}: reward returned NaN for {adv_stats['groups_skipped_nan']} "
+                          "group(s); skipped them (no update from those samples)", stacklevel=2)
+        for traj, a, ok in zip(trajectories, adv, valid):
+            traj.advantages = a if ok else torch.zeros_like(a)
+        with timer("update"):
+            stats = ppo_update(self.stage.policy, self.stage.reference, trajectories,
+                               self.stage.optimizer, self.grpo, seed=derive_seed(self.config["seed"], self.step, 99),
+                               after_step=None)
+        with timer("sync"):
+            if stats.grad_norms:
+                self.stage.sync.sync()
+        self.last_stats = stats
+        finite = rewards[torch.isfinite(rewards)]
+        self.step += 1
+        record = {"step": self.step, "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
+                  "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
+                  **adv_stats, "groups_skipped_nan_total": self.skipped_groups, **stats.summary(),
+                  "updated": bool(stats.grad_norms), "weights_version": self.stage.sync.version,
+                  **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
+        self.files.write(record)
+        self.files.maybe_checkpoint(self.step, [self.stage], {"skipped_groups": self.skipped_groups})
+        return record
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
+        state = self.files.resume([self.stage])
+        if state is not None:
+            self.step, self.skipped_groups = state["step"], state.get("skipped_groups", 0)
+        self.files.open(self.step)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=self.config["steps"], initial=self.step, desc="flowgrpo", unit="step")
+        records = []
+        try:
+            while self.step < self.config["steps"]:
+                rec = self.train_step()
+                records.append(rec)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{rec['reward_mean']:.4f}", ratio=f"{rec['ratio_mean']:.4f}")
+        finally:
+            if bar is not None:
+                bar.close()
+            self.files.close()
+        return {"steps": self.step, "records": records, "weights_version": self.stage.sync.version}
+
+    def evaluate(self, seeds: list[int], prompts: list[str] | None = None) -> torch.Tensor:
+        """Mean reward per seed of ODE (serve) samples from the rollout instance: ``(len(seeds),)``."""
+        params = sampling_params(self.sampling).replace(sde_rollout=False)
+        out = []
+        for prompt in prompts or self.config["prompts"]:
+            request = GenerationRequest([prompt] * len(seeds), self.model.card.task, params, seeds=list(seeds))
+            frames = run_loop(self.model, request).frames
+            out.append(score(self.reward, [prompt] * len(seeds), frames))
+        return torch.stack(out).mean(dim=0)

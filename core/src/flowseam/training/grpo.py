@@ -1,0 +1,185 @@
+"""Flow-GRPO's pieces, shared by the ``flowgrpo`` and ``workflow_rl`` methods.
+
+Flow-GRPO (Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via Online RL"): sample a
+group of K outputs per prompt with the SDE step (each step a Gaussian policy with a log-prob),
+score them, use the group-relative advantage ``A = (r - mean) / (std + eps)`` (clipped to
+``±adv_clip_max``), and maximise the PPO clipped objective over the captured steps, with a KL
+penalty to a frozen reference: ``KL = ||mean_θ - mean_ref||² / (2 std²)`` per step (their
+``train_sd3.py``).
+
+The log-prob recompute of every update resolves its kernel with
+``platform.kernels.pin(record.impl_id)`` — the exact implementation that produced the rollout, or
+a :class:`~flowseam.KernelPinError`; never a fresh lookup (C2: on the first inner epoch, before
+any weight change, every PPO ratio is 1).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..loops import LoopResult
+from ..models.base import ModelInstance
+
+GRPO_DEFAULTS = dict(clip_range=1e-4, adv_clip_max=5.0, beta=0.04, inner_epochs=1,
+                     timestep_fraction=1.0, max_grad_norm=1.0, eps=1e-4)
+
+
+@dataclass
+class GRPOConfig:
+    """Flow-GRPO hyper-parameters (defaults: Flow-GRPO's SD3 config).
+
+    :param clip_range: PPO ratio clip ε: ``clip(ratio, 1-ε, 1+ε)``.
+    :param adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]``.
+    :param beta: KL-to-reference coefficient (0 disables the reference).
+    :param inner_epochs: PPO epochs over each batch of rollouts.
+    :param timestep_fraction: fraction of the denoising steps trained on (a random subset).
+    :param max_grad_norm: gradient clipping.
+    :param eps: added to the group std.
+    """
+
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    beta: float = 0.04
+    inner_epochs: int = 1
+    timestep_fraction: float = 1.0
+    max_grad_norm: float = 1.0
+    eps: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.timestep_fraction <= 1.0:
+            raise ValueError(f"timestep_fraction={self.timestep_fraction} must be in (0, 1]")
+        if self.inner_epochs < 1:
+            raise ValueError(f"inner_epochs={self.inner_epochs} must be >= 1")
+        if self.clip_range <= 0:
+            raise ValueError(f"clip_range={self.clip_range} must be > 0")
+
+
+def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Group-relative advantages.
+
+    :param rewards: ``(G, K)`` rewards, one row per group (prompt), K samples each.
+    :returns: ``(advantages (G, K), valid (G,) bool, stats)``. A group with a non-finite reward is
+        invalid (advantage 0, never trained on); a group with zero std gets advantage 0.
+    """
+    if rewards.ndim != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards have shape {tuple(rewards.shape)}; need (groups, K) with K >= 2")
+    rewards = rewards.double()
+    valid = torch.isfinite(rewards).all(dim=1)
+    safe = torch.where(valid[:, None], rewards, torch.zeros_like(rewards))
+    mean = safe.mean(dim=1, keepdim=True)
+    std = safe.std(dim=1, unbiased=False, keepdim=True)
+    adv = ((safe - mean) / (std + cfg.eps)).clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
+    adv = torch.where(valid[:, None], adv, torch.zeros_like(adv)).float()
+    zero_std = (std.squeeze(1) < 1e-12) & valid
+    v = adv[valid]
+    stats = {
+        "groups_skipped_nan": int((~valid).sum()),
+        "frac_zero_std_groups": float(zero_std.float().mean()) if len(zero_std) else 0.0,
+        "adv_mean": float(v.mean()) if v.numel() else 0.0,
+        "adv_std": float(v.std(unbiased=False)) if v.numel() else 0.0,
+        "adv_min": float(v.min()) if v.numel() else 0.0,
+        "adv_max": float(v.max()) if v.numel() else 0.0,
+    }
+    return adv, valid, stats
+
+
+@dataclass
+class Trajectory:
+    """One rollout batch (its records, conditioning and params) and one advantage per row."""
+
+    model: ModelInstance
+    result: LoopResult
+    advantages: torch.Tensor  # (B,)
+
+
+@dataclass
+class UpdateStats:
+    ratios: list[torch.Tensor] = field(default_factory=list)         # every (B,) ratio, all epochs
+    first_epoch_ratios: list[torch.Tensor] = field(default_factory=list)
+    clipped: list[float] = field(default_factory=list)
+    approx_kl: list[float] = field(default_factory=list)
+    kl_ref: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+    def summary(self, prefix: str = "") -> dict[str, float]:
+        r = torch.cat(self.ratios) if self.ratios else torch.ones(1)
+        mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0  # noqa: E731
+        return {f"{prefix}ratio_mean": float(r.mean()), f"{prefix}ratio_min": float(r.min()),
+                f"{prefix}ratio_max": float(r.max()), f"{prefix}clip_frac": mean(self.clipped),
+                f"{prefix}approx_kl": mean(self.approx_kl), f"{prefix}kl_ref": mean(self.kl_ref),
+                f"{prefix}grad_norm": mean(self.grad_norms)}
+
+
+def train_timesteps(n_steps: int, fraction: float, seed: int) -> list[int]:
+    """A reproducible random subset of ``ceil(fraction * n)`` step indices (sorted)."""
+    k = max(1, math.ceil(fraction * n_steps))
+    order = list(range(n_steps))
+    random.Random(seed).shuffle(order)
+    return sorted(order[:k])
+
+
+def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
+               trajectories: list[Trajectory], optimizer: torch.optim.Optimizer, cfg: GRPOConfig,
+               seed: int, after_step: Callable[[], None] | None = None) -> UpdateStats:
+    """Flow-GRPO's PPO update of ``policy`` on ``trajectories``.
+
+    Per inner epoch: gradients accumulate over every trajectory and every selected step (loss
+    normalised by their count), then one clipped optimizer step, then ``after_step()`` (a
+    WeightSyncPlan's sync). On the first epoch no weight has changed yet, so every ratio is 1.
+    """
+    stats = UpdateStats()
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    # Rows with zero advantage carry no signal; with none left there is no update at all (an
+    # optimizer step on zero gradients would still apply weight decay).
+    trajectories = [t for t in trajectories if bool((t.advantages != 0).any())]
+    if not trajectories:
+        return stats
+    steps = train_timesteps(len(trajectories[0].result.records), cfg.timestep_fraction, seed)
+    n_terms = len(trajectories) * len(steps)
+    for epoch in range(cfg.inner_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        for traj in trajectories:
+            model, res = traj.model, traj.result
+            adv = traj.advantages.to(res.latents.device)
+            for j in steps:
+                rec = res.records[j]
+                if rec.log_prob is None:
+                    raise ValueError("Flow-GRPO needs SDE rollouts (params.sde_rollout=True); "
+                                     f"step {j} has no log-prob")
+                kernel = model.platform.kernels.pin(rec.impl_id)
+                v = model.velocity(rec.latents, rec.timestep, res.cond, res.params, dit=policy)
+                out = kernel(rec.latents, v, rec.sigma, rec.sigma_next, prev_sample=rec.next_latents,
+                             noise_level=res.params.noise_level, sigma_max=rec.sigma_max)
+                log_ratio = out.log_prob - rec.log_prob.to(out.log_prob.device)
+                ratio = torch.exp(log_ratio)
+                unclipped = -adv * ratio
+                clipped = -adv * ratio.clamp(1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
+                loss = torch.maximum(unclipped, clipped).mean()
+                if cfg.beta > 0 and reference is not None:
+                    with torch.no_grad():
+                        v_ref = model.velocity(rec.latents, rec.timestep, res.cond, res.params,
+                                               dit=reference)
+                        ref = kernel(rec.latents, v_ref, rec.sigma, rec.sigma_next,
+                                     prev_sample=rec.next_latents, noise_level=res.params.noise_level,
+                                     sigma_max=rec.sigma_max)
+                    kl = ((out.mean - ref.mean) ** 2).flatten(1).mean(dim=1) / (2 * out.std ** 2)
+                    loss = loss + cfg.beta * kl.mean()
+                    stats.kl_ref.append(float(kl.detach().mean()))
+                (loss / n_terms).backward()
+                detached = ratio.detach().cpu()
+                stats.ratios.append(detached)
+                if epoch == 0:
+                    stats.first_epoch_ratios.append(detached)
+                stats.clipped.append(float(((detached - 1.0).abs() > cfg.clip_range).float().mean()))
+                stats.approx_kl.append(float(0.5 * (log_ratio.detach() ** 2).mean()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+        stats.grad_norms.append(float(grad_norm))
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+    return stats

@@ -1,0 +1,180 @@
+"""The ``workflow_rl`` training method: one reward on the final output of a cross-model workflow
+trains every stage.
+
+A plugin module of its own, registered through its own entry point in core's pyproject
+(``workflow_rl = "flowseam.training.workflow_rl"``) exactly as a third-party method would be.
+
+Each step, per prompt: roll out the text-to-image stage (SDE, a group of ``group_size`` samples,
+each with its own seed), decode the images, roll out the image-to-video stage conditioned on each
+image (SDE), score the final videos with one reward, and use that one group-relative advantage
+for a Flow-GRPO update of *both* stages' transformers — the T2I model gets credit for images that
+lead to better videos. Each stage has its own trainer copy, optimizer and WeightSyncPlan, on two
+separate model instances (each with its own platform resolution).
+
+Config::
+
+    t2i_model = "path/to/flux-checkpoint"
+    i2v_model = "path/to/wan-i2v-checkpoint"
+    t2i_backend = "cpu"; i2v_backend = "cpu"   # optional
+    prompts = [...]; reward = "brightness"; reward_args = {}
+    group_size = 4; prompts_per_step = 1; steps = 10; seed = 0
+    output_dir = "runs/wf"; checkpoint_every = 0
+    [t2i_sampling] / [i2v_sampling]  num_steps, height, width, num_frames, guidance_scale, noise_level
+    [grpo] [optim] [lora]            as for flowgrpo (shared by both stages)
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FlowseamError
+from ..hookspecs import hookimpl
+from ..loading import load
+from ..loops import ExecutionProfile, run_loop
+from ..models.base import ModelInstance
+from ..platform import Platform
+from ..request import GenerationRequest, TaskType
+from . import get_reward
+from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, require_group_size
+from .config import section
+from .flowgrpo import SAMPLING_DEFAULTS, check_top, sampling_params
+from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, group_advantages, ppo_update
+from .rewards import score
+
+TOP_DEFAULTS = dict(t2i_model=None, i2v_model=None, t2i_backend=None, i2v_backend=None, prompts=None,
+                    reward="brightness", reward_args={}, group_size=4, prompts_per_step=1, steps=10,
+                    seed=0, output_dir=None, checkpoint_every=0, t2i_sampling={}, i2v_sampling={},
+                    grpo={}, optim={}, lora={})
+
+
+def _load(path: str | None, backend: str | None, what: str) -> ModelInstance:
+    if not path:
+        raise FlowseamError(f"config needs {what}_model = <checkpoint directory>")
+    return load(path, platform=Platform(backend) if backend else Platform.detect())
+
+
+class WorkflowRL:
+    """Flow-GRPO across the t2i → i2v workflow. ``WorkflowRL(config).run()``."""
+
+    name = "workflow_rl"
+
+    def __init__(self, config: dict[str, Any], t2i: ModelInstance | None = None,
+                 i2v: ModelInstance | None = None, reward=None) -> None:
+        self.config = cfg = check_top(config, TOP_DEFAULTS)
+        require_group_size(cfg["group_size"])
+        if not cfg["prompts"] or not all(isinstance(p, str) for p in cfg["prompts"]):
+            raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of strings")
+        self.t2i = t2i or _load(cfg["t2i_model"], cfg["t2i_backend"], "t2i")
+        self.i2v = i2v or _load(cfg["i2v_model"], cfg["i2v_backend"], "i2v")
+        if TaskType.T2I not in self.t2i.card.tasks or TaskType.I2V not in self.i2v.card.tasks:
+            raise FlowseamError(f"workflow_rl needs a text-to-image then an image-to-video model; got "
+                                f"{self.t2i.card.name} and {self.i2v.card.name}")
+        self.t2i_sampling = section(cfg, "t2i_sampling", SAMPLING_DEFAULTS)
+        self.i2v_sampling = section(cfg, "i2v_sampling", SAMPLING_DEFAULTS)
+        self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
+        optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
+        self.stages = [Stage.create("t2i", self.t2i, optim, lora, with_reference=self.grpo.beta > 0),
+                       Stage.create("i2v", self.i2v, optim, lora, with_reference=self.grpo.beta > 0)]
+        self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
+        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
+                              cfg["checkpoint_every"])
+        self.step = 0
+        self.skipped_groups = 0
+        self.last_stats: dict[str, Any] = {}
+
+    def rollout_group(self, prompt: str, seeds: list[int], sde: bool = True):
+        """Stage 1 for the whole group, then stage 2 once per image. Returns
+        ``(t2i LoopResult (B=K), [i2v LoopResult (B=1)] * K, videos (K, F, H, W, 3))``."""
+        profile = ExecutionProfile.ROLLOUT if sde else ExecutionProfile.SERVE
+        p1 = sampling_params(self.t2i_sampling).replace(sde_rollout=sde)
+        p2 = sampling_params(self.i2v_sampling).replace(sde_rollout=sde)
+        images = run_loop(self.t2i, GenerationRequest([prompt] * len(seeds), TaskType.T2I, p1, seeds=seeds),
+                          profile=profile)
+        videos = [run_loop(self.i2v, GenerationRequest(prompt, TaskType.I2V, p2, image=images.frames[k, 0],
+                                                       seeds=[derive_seed(s, 2)]), profile=profile)
+                  for k, s in enumerate(seeds)]
+        return images, videos, torch.cat([torch.from_numpy(v.frames) for v in videos]).numpy()
+
+    def train_step(self) -> dict[str, Any]:
+        timer = Timer()
+        cfg, K = self.config, self.config["group_size"]
+        groups = []
+        with timer("rollout"):
+            for i in range(cfg["prompts_per_step"]):
+                prompt = cfg["prompts"][(self.step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
+                seeds = [derive_seed(cfg["seed"], self.step, i, k) for k in range(K)]
+                groups.append((prompt, *self.rollout_group(prompt, seeds)))
+        with timer("reward"):
+            rewards = torch.stack([score(self.reward, [p] * K, videos) for p, _, _, videos in groups])
+        adv, valid, adv_stats = group_advantages(rewards, self.grpo)
+        if adv_stats["groups_skipped_nan"]:
+            self.skipped_groups += adv_stats["groups_skipped_nan"]
+            warnings.warn(f"step {self.step}: reward returned NaN for {adv_stats['groups_skipped_nan']} "
+                          "group(s); skipped them", stacklevel=2)
+        t2i_traj, i2v_traj = [], []
+        for (prompt, images, videos, _), a, ok in zip(groups, adv, valid):
+            a = a if ok else torch.zeros_like(a)
+            t2i_traj.append(Trajectory(self.t2i, images, a))
+            i2v_traj += [Trajectory(self.i2v, v, a[k:k + 1]) for k, v in enumerate(videos)]
+        stats = {}
+        with timer("update"):
+            for stage, trajs in zip(self.stages, (t2i_traj, i2v_traj)):
+                stats[stage.name] = ppo_update(stage.policy, stage.reference, trajs, stage.optimizer,
+                                               self.grpo, seed=derive_seed(cfg["seed"], self.step, 99))
+        with timer("sync"):
+            for stage in self.stages:
+                if stats[stage.name].grad_norms:
+                    stage.sync.sync()
+        self.last_stats = stats
+        finite = rewards[torch.isfinite(rewards)]
+        self.step += 1
+        record = {"step": self.step,
+                  "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
+                  "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
+                  **adv_stats, "groups_skipped_nan_total": self.skipped_groups,
+                  **{k: v for s in self.stages for k, v in stats[s.name].summary(f"{s.name}_").items()},
+                  **{f"{s.name}_weights_version": s.sync.version for s in self.stages},
+                  **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
+        self.files.write(record)
+        self.files.maybe_checkpoint(self.step, self.stages, {"skipped_groups": self.skipped_groups})
+        return record
+
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
+        state = self.files.resume(self.stages)
+        if state is not None:
+            self.step, self.skipped_groups = state["step"], state.get("skipped_groups", 0)
+        self.files.open(self.step)
+        records, bar = [], None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=self.config["steps"], initial=self.step, desc="workflow_rl", unit="step")
+        try:
+            while self.step < self.config["steps"]:
+                records.append(self.train_step())
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{records[-1]['reward_mean']:.4f}")
+        finally:
+            if bar is not None:
+                bar.close()
+            self.files.close()
+        return {"steps": self.step, "records": records,
+                "weights_versions": {s.name: s.sync.version for s in self.stages}}
+
+    def evaluate(self, seeds: list[int], prompts: list[str] | None = None) -> torch.Tensor:
+        """Mean final-video reward per seed with ODE (serve) sampling: ``(len(seeds),)``."""
+        out = []
+        for prompt in prompts or self.config["prompts"]:
+            _, _, videos = self.rollout_group(prompt, list(seeds), sde=False)
+            out.append(score(self.reward, [prompt] * len(seeds), videos))
+        return torch.stack(out).mean(dim=0)
+
+
+@hookimpl
+def flowseam_training_methods():
+    return {"workflow_rl": WorkflowRL}
