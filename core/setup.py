@@ -37,11 +37,16 @@ setup(
         "huggingface_hub>=0.34",
         "ftfy>=6",
         "tqdm>=4.66",
+        "pyyaml>=6",
+        "pillow>=10",
+        "imageio>=2.31",
+        "imageio-ffmpeg>=0.5",
         _plugin("cpu", "flowseam-cpu"),
     ],
     extras_require={
         "cuda": [_plugin("cuda", "flowseam-cuda")],
         "accel": [_plugin("accel", "flowseam-accel")],
-        "test": ["pytest>=8"],
+        "lora": ["peft>=0.13"],
+        "test": ["pytest>=8", "peft>=0.13"],
     },
 )
