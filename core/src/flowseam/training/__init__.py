@@ -12,15 +12,19 @@ from typing import Any
 from ..errors import FlowseamError
 
 
-def registered_methods() -> dict[str, Any]:
-    """Every registered training method: name → class (from the discovered plugins)."""
+def _collect(attr: str) -> dict[str, Any]:
     from ..plugins import discover
 
     found: dict[str, Any] = {}
     for rec in sorted(discover().usable(), key=lambda r: r.name):
-        for name, cls in rec.methods.items():
-            found.setdefault(name, cls)
+        for name, obj in getattr(rec, attr).items():
+            found.setdefault(name, obj)
     return found
+
+
+def registered_methods() -> dict[str, Any]:
+    """Every registered training method: name → class (from the discovered plugins)."""
+    return _collect("methods")
 
 
 def get_method(name: str) -> Any:
@@ -33,13 +37,7 @@ def get_method(name: str) -> Any:
 
 def registered_rewards() -> dict[str, Any]:
     """Every registered reward: name → reward (or factory)."""
-    from ..plugins import discover
-
-    found: dict[str, Any] = {}
-    for rec in sorted(discover().usable(), key=lambda r: r.name):
-        for name, fn in rec.rewards.items():
-            found.setdefault(name, fn)
-    return found
+    return _collect("rewards")
 
 
 def get_reward(name: str, **kwargs: Any):

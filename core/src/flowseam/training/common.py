@@ -145,6 +145,33 @@ class Timer:
         return _Ctx()
 
 
+def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> list[dict[str, Any]]:
+    """The outer loop every method shares: resume from ``method.files``' latest checkpoint, then
+    call ``method.train_step()`` until ``method.config["steps"]``, with a progress bar showing
+    ``postfix`` from each record when ``method.progress`` is set."""
+    state = method.files.resume(stages)
+    if state is not None:
+        method.step = state["step"]
+        method.skipped_groups = state.get("skipped_groups", 0)
+    method.files.open(method.step)
+    records: list[dict[str, Any]] = []
+    bar = None
+    if method.progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=method.config["steps"], initial=method.step, desc=desc, unit="step")
+    try:
+        while method.step < method.config["steps"]:
+            records.append(method.train_step())
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix({postfix: f"{records[-1][postfix]:.4f}"})
+    finally:
+        if bar is not None:
+            bar.close()
+        method.files.close()
+    return records
+
+
 def require_group_size(k: int) -> None:
     if not isinstance(k, int) or k < 2:
         raise FlowseamError(f"group_size={k!r} must be an integer >= 2: Flow-GRPO's advantage is "

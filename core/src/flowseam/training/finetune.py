@@ -37,7 +37,7 @@ from ..loading import load
 from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
-from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed
+from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, run_training
 from .config import section
 from .flowgrpo import check_top
 
@@ -110,6 +110,7 @@ class Finetune:
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"])
         self.step = 0
+        self.progress = True
 
     def _params(self, frames: np.ndarray) -> DiffusionParams:
         F, H, W, _ = frames.shape
@@ -169,25 +170,8 @@ class Finetune:
     def run(self, progress: bool = True) -> dict[str, Any]:
         """Train for ``steps`` steps; with an ``output_dir``, save the trained checkpoint to
         ``output_dir/model`` (diffusers format, atomically)."""
-        state = self.files.resume([self.stage])
-        if state is not None:
-            self.step = state["step"]
-        self.files.open(self.step)
-        records = []
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=self.config["steps"], initial=self.step, desc="finetune", unit="step")
-        try:
-            while self.step < self.config["steps"]:
-                records.append(self.train_step())
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{records[-1]['loss']:.4f}")
-        finally:
-            if bar is not None:
-                bar.close()
-            self.files.close()
+        self.progress = progress
+        records = run_training(self, [self.stage], "finetune", "loss")
         saved = self.save(self.files.output_dir / "model") if self.files.output_dir else None
         return {"steps": self.step, "records": records, "model": str(saved) if saved else None}
 

@@ -40,7 +40,16 @@ from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from . import get_reward
-from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, require_group_size
+from .common import (
+    LORA_DEFAULTS,
+    OPTIM_DEFAULTS,
+    RunFiles,
+    Stage,
+    Timer,
+    derive_seed,
+    require_group_size,
+    run_training,
+)
 from .config import section
 from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, group_advantages, ppo_update
 from .rewards import score
@@ -97,6 +106,7 @@ class FlowGRPO:
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"])
         self.step = 0
+        self.progress = True
         self.last_stats = None
         self.skipped_groups = 0
 
@@ -153,26 +163,8 @@ class FlowGRPO:
     # -- the run ----------------------------------------------------------------------------
     def run(self, progress: bool = True) -> dict[str, Any]:
         """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
-        state = self.files.resume([self.stage])
-        if state is not None:
-            self.step, self.skipped_groups = state["step"], state.get("skipped_groups", 0)
-        self.files.open(self.step)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=self.config["steps"], initial=self.step, desc="flowgrpo", unit="step")
-        records = []
-        try:
-            while self.step < self.config["steps"]:
-                rec = self.train_step()
-                records.append(rec)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{rec['reward_mean']:.4f}", ratio=f"{rec['ratio_mean']:.4f}")
-        finally:
-            if bar is not None:
-                bar.close()
-            self.files.close()
+        self.progress = progress
+        records = run_training(self, [self.stage], "flowgrpo", "reward_mean")
         return {"steps": self.step, "records": records, "weights_version": self.stage.sync.version}
 
     def evaluate(self, seeds: list[int], prompts: list[str] | None = None) -> torch.Tensor:

@@ -39,7 +39,16 @@ from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import GenerationRequest, TaskType
 from . import get_reward
-from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, require_group_size
+from .common import (
+    LORA_DEFAULTS,
+    OPTIM_DEFAULTS,
+    RunFiles,
+    Stage,
+    Timer,
+    derive_seed,
+    require_group_size,
+    run_training,
+)
 from .config import section
 from .flowgrpo import SAMPLING_DEFAULTS, check_top, sampling_params
 from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, group_advantages, ppo_update
@@ -83,6 +92,7 @@ class WorkflowRL:
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"])
         self.step = 0
+        self.progress = True
         self.skipped_groups = 0
         self.last_stats: dict[str, Any] = {}
 
@@ -145,24 +155,8 @@ class WorkflowRL:
 
     def run(self, progress: bool = True) -> dict[str, Any]:
         """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
-        state = self.files.resume(self.stages)
-        if state is not None:
-            self.step, self.skipped_groups = state["step"], state.get("skipped_groups", 0)
-        self.files.open(self.step)
-        records, bar = [], None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=self.config["steps"], initial=self.step, desc="workflow_rl", unit="step")
-        try:
-            while self.step < self.config["steps"]:
-                records.append(self.train_step())
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{records[-1]['reward_mean']:.4f}")
-        finally:
-            if bar is not None:
-                bar.close()
-            self.files.close()
+        self.progress = progress
+        records = run_training(self, self.stages, "workflow_rl", "reward_mean")
         return {"steps": self.step, "records": records,
                 "weights_versions": {s.name: s.sync.version for s in self.stages}}
 
