@@ -70,6 +70,7 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
     import torch
 
     cls = import_class(spec.cls)
+    cast = dtype is not None
     if spec.path is not None:
         folder = Path(spec.path) / (spec.subfolder or "")
         if not folder.is_dir():
@@ -77,6 +78,10 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
         kwargs: dict[str, Any] = {}
         if spec.subfolder:
             kwargs["subfolder"] = spec.subfolder
+        if dtype is not None and isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            # load in the target dtype, so a model's keep-in-float32 modules are honoured
+            kwargs["dtype" if cls.__module__.startswith("transformers") else "torch_dtype"] = dtype
+            cast = False
         obj = cls.from_pretrained(spec.path, **kwargs)
     elif hasattr(cls, "from_config") and not hasattr(cls, "config_class"):
         obj = cls.from_config(spec.config)  # diffusers
@@ -85,7 +90,7 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
     else:
         obj = cls(**spec.config)
     if isinstance(obj, torch.nn.Module):
-        if dtype is not None and any(p.dtype != dtype for p in obj.parameters()):
+        if cast and any(p.dtype != dtype for p in obj.parameters()):
             obj = obj.to(dtype=dtype)
         obj = obj.to(device)
         obj.eval()
