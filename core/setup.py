@@ -18,11 +18,11 @@ HERE = Path(__file__).resolve().parent
 VERSION = "0.1.0"
 
 
-def _plugin(name: str, dist: str) -> str:
+def _plugin(name: str, dist: str, extras: str = "") -> str:
     local = HERE.parent / "plugins" / name
     if (local / "pyproject.toml").is_file():
-        return f"{dist} @ {local.as_uri()}"
-    return f"{dist}=={VERSION}"
+        return f"{dist}{extras} @ {local.as_uri()}"
+    return f"{dist}{extras}=={VERSION}"
 
 
 setup(
@@ -44,9 +44,11 @@ setup(
         _plugin("cpu", "flowseam-cpu"),
     ],
     extras_require={
-        "cuda": [_plugin("cuda", "flowseam-cuda")],
+        "cuda": [_plugin("cuda", "flowseam-cuda", "[cupy]")],
         "accel": [_plugin("accel", "flowseam-accel")],
         "lora": ["peft>=0.13"],
         "test": ["pytest>=8", "peft>=0.13"],
+        # `flowseam demo`: the digits data and classifier (scikit-learn), the reward plot
+        "demo": ["scikit-learn>=1.3", "matplotlib>=3.7"],
     },
 )

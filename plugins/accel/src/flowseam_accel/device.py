@@ -1,0 +1,128 @@
+"""Which torch device accel runs on, its arch chain, and whether torch.compile works there.
+
+Everything here is detected once per process (``functools.cache``) and is cheap: nothing is
+compiled. The plugin hooks (:mod:`flowseam_accel.plugin`) only read these answers.
+
+Torch device
+    ``cuda:0`` if ``torch.cuda.is_available()``, else ``mps`` if Apple's Metal backend is, else
+    ``cpu``. ``FLOWSEAM_ACCEL_DEVICE=cpu`` (or ``cuda:1``, ``mps``) overrides the choice, e.g. to
+    run accel on the CPU of a GPU host.
+
+Arch chain (most specific rung first; a kernel registered at a rung runs on every host whose
+chain contains that rung)
+    * CPU: ``<machine>-<isa>`` rungs from ``torch.backends.cpu.get_cpu_capability()`` (the SIMD
+      level ATen and inductor's C++ codegen vectorize for), then ``<machine>``, then
+      ``generic``. The x86 ISA levels nest, so an AVX-512 host also lists ``avx2``::
+
+          x86_64 + AVX512  -> ["x86_64-avx512", "x86_64-avx2", "x86_64", "generic"]
+          x86_64 + AVX2    -> ["x86_64-avx2", "x86_64", "generic"]
+          aarch64 + SVE256 -> ["aarch64-sve256", "aarch64", "generic"]
+          x86_64, no AVX   -> ["x86_64", "generic"]
+
+      ``platform.machine()`` is normalized (``AMD64`` -> ``x86_64``, ``arm64`` -> ``aarch64``).
+    * CUDA: ``["cuda-sm<major><minor>", "cuda", "generic"]`` (triton codegen targets the
+      device's compute capability).
+    * MPS: ``["mps", "generic"]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import sys
+
+import torch
+
+#: Environment variable that forces accel's torch device (``cpu``, ``cuda:1``, ``mps``).
+DEVICE_ENV = "FLOWSEAM_ACCEL_DEVICE"
+
+_MACHINE_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+# x86 SIMD levels as torch.backends.cpu.get_cpu_capability() names them, weakest first; a host
+# at one level runs code written for every level below it.
+_X86_LADDER = ("avx2", "avx512")
+
+
+@functools.cache
+def torch_device() -> torch.device:
+    """The torch device accel builds components on: override, else cuda, else mps, else cpu."""
+    forced = os.environ.get(DEVICE_ENV, "").strip()
+    if forced:
+        return torch.device(forced)
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _machine() -> str:
+    m = platform.machine().strip().lower()
+    return _MACHINE_ALIASES.get(m, m)
+
+
+def cpu_arch_chain(machine: str, capability: str) -> list[str]:
+    """The CPU arch chain for ``machine`` (``platform.machine()``) and ``capability``
+    (``torch.backends.cpu.get_cpu_capability()``: ``"AVX512"``, ``"AVX2"``, ``"SVE256"``,
+    ``"DEFAULT"``, ``"NO AVX"``, ...). Pure function; see the module docstring."""
+    machine = _MACHINE_ALIASES.get(machine.strip().lower(), machine.strip().lower())
+    isa = capability.strip().lower().replace(" ", "")
+    rungs: list[str] = []
+    if machine and isa not in ("", "default", "noavx"):
+        if machine == "x86_64" and isa in _X86_LADDER:
+            rungs += [f"{machine}-{level}" for level in reversed(_X86_LADDER[:_X86_LADDER.index(isa) + 1])]
+        else:
+            rungs.append(f"{machine}-{isa}")
+    if machine:
+        rungs.append(machine)
+    return rungs + ["generic"]
+
+
+@functools.cache
+def arch_chain() -> tuple[str, ...]:
+    """accel's arch chain on this host, most specific first, ending in ``"generic"``."""
+    dev = torch_device()
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        return (f"cuda-sm{major}{minor}", "cuda", "generic")
+    if dev.type == "mps":
+        return ("mps", "generic")
+    return tuple(cpu_arch_chain(_machine(), torch.backends.cpu.get_cpu_capability()))
+
+
+@functools.cache
+def compile_unsupported_reason() -> str:
+    """Why ``torch.compile`` cannot run on accel's device here, or ``""`` when it can.
+
+    Cheap checks only (no compilation): dynamo supports this Python, inductor has its code
+    generator for the device (a C++ compiler for the CPU, triton for CUDA). Importing
+    ``torch._dynamo`` costs about a second, once per process.
+    """
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile (accel needs torch>=2.6)"
+    try:
+        from torch._dynamo.eval_frame import check_if_dynamo_supported
+
+        check_if_dynamo_supported()
+    except Exception as exc:  # torch says why (Python version, free-threaded build, ...)
+        return (f"torch.compile does not support this Python ({sys.version.split()[0]}): {exc}")
+    dev = torch_device()
+    if dev.type == "cpu":
+        from torch._inductor import config as inductor_config
+
+        # inductor searches config.cpp.cxx (its last entry is $CXX or g++ / clang++ on macOS)
+        candidates = inductor_config.cpp.cxx
+        candidates = [candidates] if isinstance(candidates, str) else [c for c in candidates if c]
+        cxx = candidates[-1] if candidates else "g++"
+        if not any(shutil.which(c) for c in candidates):
+            return (f"torch.compile's CPU code generator needs a C++ compiler and {cxx!r} is not "
+                    "on PATH; install one (e.g. apt-get install g++) or set CXX")
+    elif dev.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return ("torch.compile on CUDA needs triton, which does not import here; "
+                    "pip install triton matching your torch")
+    return ""

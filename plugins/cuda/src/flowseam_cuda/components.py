@@ -1,0 +1,83 @@
+"""The cuda backend's component builders: the real classes on the GPU.
+
+=================  ==========================================================================
+kind               dtype (``spec.dtype`` overrides)
+=================  ==========================================================================
+``dit``            bfloat16 (the solver kernels still do their arithmetic in float32)
+``vae``            float32
+``text_encoder``   float32
+``image_encoder``  float32
+=================  ==========================================================================
+
+Weights are loaded on the CPU in the checkpoint's dtype, cast, then moved to torch's current
+CUDA device (:func:`flowseam_cuda.device.torch_device`), so a checkpoint is never held on the GPU
+in float32 when it is run in bfloat16. The cast honours the model's ``_keep_in_fp32_modules``
+(diffusers' and transformers' list of numerically sensitive submodules, e.g. Wan's time
+embedder and norms), exactly as ``from_pretrained(torch_dtype=...)`` does; a plain
+``module.to(bfloat16)`` would cast those too.
+
+Attention inside the models is not chosen here: flowseam routes each model's attention
+through the platform's ``attention`` op (flash-attn or fused SDPA on this backend, see
+:mod:`flowseam_cuda.torch_kernels`). Tokenizers and processors are not GPU objects; those kinds
+are left to cpu.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from flowseam import ComponentSpec
+from flowseam.components import instantiate
+
+from .device import torch_device
+
+#: Default dtype per kind, when the spec does not name one.
+DEFAULT_DTYPES = {"dit": torch.bfloat16, "vae": torch.float32, "text_encoder": torch.float32,
+                  "image_encoder": torch.float32}
+
+KINDS = tuple(DEFAULT_DTYPES)
+
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "float64": torch.float64}
+
+
+def resolve_dtype(kind: str, spec: ComponentSpec) -> torch.dtype:
+    """``spec.dtype`` if given, else the kind's default.
+
+    :raises ValueError: naming ``spec.dtype`` when it is not a float dtype name.
+    """
+    if spec.dtype is None:
+        return DEFAULT_DTYPES[kind]
+    name = str(spec.dtype).removeprefix("torch.")
+    if name not in _FLOAT_DTYPES:
+        raise ValueError(f"component {spec.name!r}: dtype={spec.dtype!r} is not one of "
+                         f"{sorted(_FLOAT_DTYPES)}")
+    return _FLOAT_DTYPES[name]
+
+
+def cast_keeping_fp32_modules(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast ``module``'s floating parameters and buffers to ``dtype``, except those inside a
+    submodule named in ``module._keep_in_fp32_modules``, which become float32 (the rule of
+    diffusers' and transformers' ``from_pretrained(torch_dtype=...)``)."""
+    keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if not tensor.is_floating_point():
+            continue
+        parts = name.split(".")
+        target = torch.float32 if any(k in parts for k in keep) else dtype
+        if tensor.dtype != target:
+            tensor.data = tensor.data.to(target)
+    return module
+
+
+def build(kind: str, spec: ComponentSpec) -> torch.nn.Module | None:
+    """Build ``spec`` as ``kind`` on the GPU in its dtype (table above); None for other kinds."""
+    if kind not in DEFAULT_DTYPES:
+        return None
+    dtype = resolve_dtype(kind, spec)
+    module = instantiate(spec, device="cpu", dtype=None)  # the checkpoint's dtype, on the CPU
+    if isinstance(module, torch.nn.Module):
+        cast_keeping_fp32_modules(module, dtype)
+        module = module.to(torch_device())
+    return module

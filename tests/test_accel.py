@@ -1,0 +1,305 @@
+"""The accel backend (torch.compile): discovery, the arch walk, its compiled kernels against the
+numpy oracle, C2, its compiled dit/vae against the cpu build, the text_encoder fallback, and
+that a new sigma never recompiles.
+
+Compiling costs seconds per graph on a small CPU; inductor's on-disk cache
+(TORCHINDUCTOR_CACHE_DIR) makes reruns fast, and the models here are shrunk further than the
+default tiny checkpoint to keep the cold compile short.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from itertools import pairwise
+
+import flowseam
+import numpy as np
+import pytest
+import torch
+from flowseam import ComponentSpec, ops
+from flowseam.ops import reference
+
+flowseam_accel = pytest.importorskip("flowseam_accel")
+from flowseam_accel import compiled, device
+from flowseam_accel import plugin as accel_plugin
+
+RTOL, ATOL = reference.TOLERANCES["float32"]
+
+
+def _platform(name: str) -> flowseam.Platform:
+    reg = flowseam.plugins.discover(refresh=True)
+    rec = reg.records.get(name)
+    if rec is None or not rec.usable:
+        pytest.skip(f"backend {name!r} is not usable here: "
+                    f"{'not installed' if rec is None else f'{rec.status}: {rec.reason}'}")
+    return flowseam.Platform(name, registry=reg)
+
+
+@pytest.fixture(scope="module")
+def accel():
+    yield _platform("accel")
+    flowseam.plugins._CACHE = None
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    yield _platform("cpu")
+    flowseam.plugins._CACHE = None
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _entry(name: str) -> dict:
+    """accel's compile/run booking of one compiled entry point (zeros before its first call)."""
+    empty = {"compile_s": 0.0, "run_s": 0.0, "calls": 0, "compiles": 0, "signatures": []}
+    return compiled.compile_report()["entries"].get(name, empty)
+
+
+def _graphs_built() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+# -- discovery, availability, arch chain -------------------------------------------------------
+
+def test_found_through_its_entry_point_as_device_accel_priority_50():
+    eps = {ep.name: ep for ep in metadata.entry_points(group="flowseam.plugins")}
+    assert eps["accel"].value == "flowseam_accel.plugin"
+    assert eps["accel"].dist.metadata["Name"] == "flowseam-accel"
+    # like flowseam-cpu, it does not depend on flowseam (no packaging cycle)
+    assert not any(req.startswith("flowseam") for req in metadata.requires("flowseam-accel") or [])
+    reg = flowseam.plugins.discover(refresh=True)
+    try:
+        rec = reg.records["accel"]
+        if rec.status == "blocked":
+            pytest.skip(f"accel is blocked here: {rec.reason}")
+        assert (rec.status, rec.distribution, rec.device, rec.priority) == \
+            ("available", "flowseam-accel", "accel", 50)
+        assert rec.component_kinds == ("dit", "vae")
+        assert {(k.op, k.arch) for k in rec.kernels} == {
+            (ops.FLOW_MATCH_STEP, "generic"), (ops.FLOW_SDE_STEP, device.arch_chain()[0])}
+    finally:
+        flowseam.plugins._CACHE = None
+
+
+def test_unavailable_with_the_reason_when_torch_compile_cannot_run(monkeypatch):
+    assert accel_plugin.flowseam_backend_available() == flowseam.Availability(True, "")
+    monkeypatch.setattr(accel_plugin, "compile_unsupported_reason",
+                        lambda: "torch.compile's CPU code generator needs a C++ compiler")
+    assert accel_plugin.flowseam_backend_available() == flowseam.Availability(
+        False, "torch.compile's CPU code generator needs a C++ compiler")
+
+
+@pytest.mark.parametrize("machine,capability,chain", [
+    ("x86_64", "AVX512", ["x86_64-avx512", "x86_64-avx2", "x86_64", "generic"]),
+    ("AMD64", "AVX2", ["x86_64-avx2", "x86_64", "generic"]),
+    ("aarch64", "SVE256", ["aarch64-sve256", "aarch64", "generic"]),
+    ("arm64", "DEFAULT", ["aarch64", "generic"]),
+    ("x86_64", "NO AVX", ["x86_64", "generic"]),
+])
+def test_cpu_arch_chain(machine, capability, chain):
+    assert device.cpu_arch_chain(machine, capability) == chain
+
+
+def test_arch_walk_fallback_for_flow_match_step_direct_hit_for_flow_sde_step(accel):
+    chain = accel.arch_chain
+    assert chain == device.arch_chain() and chain[-1] == "generic" and len(chain) >= 2
+    assert accel.device_chain == ("accel", "cpu")
+    euler = accel.kernels.get(ops.FLOW_MATCH_STEP).provenance
+    assert (euler.plugin, euler.device, euler.arch) == ("accel", "accel", "generic")
+    assert accel.kernels.walks[ops.FLOW_MATCH_STEP] == tuple(f"accel/{a}" for a in chain)
+    sde = accel.kernels.get(ops.FLOW_SDE_STEP).provenance
+    assert (sde.plugin, sde.device, sde.arch) == ("accel", "accel", chain[0])
+    assert accel.kernels.walks[ops.FLOW_SDE_STEP] == (f"accel/{chain[0]}",)
+    attn = accel.kernels.get(ops.ATTENTION).provenance
+    assert (attn.plugin, attn.device) == ("cpu", "cpu")  # accel registers no attention kernel
+
+
+# -- kernels against the oracle ----------------------------------------------------------------
+
+def test_flow_match_step_matches_oracle_float32_and_bf16(accel):
+    step = accel.kernels.get(ops.FLOW_MATCH_STEP)
+    x, v = _rand(2, 4, 3, 8, 8, seed=1), _rand(2, 4, 3, 8, 8, seed=2)
+    out = step(x, v, 0.75, 0.5)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    np.testing.assert_allclose(out.numpy(), reference.flow_match_step(x.numpy(), v.numpy(), 0.75, 0.5),
+                               rtol=RTOL, atol=ATOL)
+    xb, vb = _rand(2, 16, seed=3, dtype=torch.bfloat16), _rand(2, 16, seed=4, dtype=torch.bfloat16)
+    outb = step(xb, vb, 1.0, 0.9)
+    assert outb.dtype == torch.bfloat16
+    rtol, atol = reference.TOLERANCES["bfloat16"]
+    np.testing.assert_allclose(outb.float().numpy(),
+                               reference.flow_match_step(xb.float().numpy(), vb.float().numpy(), 1.0, 0.9),
+                               rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("sigma,sigma_next,sigma_max", [
+    (1.0, 0.9, 0.9),     # first step: sigma == 1 uses sigma_max
+    (0.6, 0.45, None),   # a middle step
+    (0.1, 0.0, None),    # the last step, to sigma_next = 0
+])
+def test_flow_sde_step_matches_oracle(accel, sigma, sigma_next, sigma_max):
+    step = accel.kernels.get(ops.FLOW_SDE_STEP)
+    x, v, noise = _rand(3, 4, 2, 6, 6, seed=5), _rand(3, 4, 2, 6, 6, seed=6), _rand(3, 4, 2, 6, 6, seed=7)
+    out = step(x, v, sigma, sigma_next, noise=noise, noise_level=0.7, sigma_max=sigma_max)
+    ref = reference.flow_sde_step(x.numpy(), v.numpy(), sigma, sigma_next, noise=noise.numpy(),
+                                  noise_level=0.7, sigma_max=sigma_max)
+    assert out.sample.dtype == torch.float32 and out.log_prob.shape == (3,)
+    assert out.mean.shape == x.shape and out.std.shape == ()
+    for got, want in ((out.sample, ref.sample), (out.mean, ref.mean), (out.log_prob, ref.log_prob),
+                      (out.std, ref.std)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=RTOL, atol=ATOL)
+
+
+def test_bad_arguments_raise_like_every_backend(accel):
+    euler, sde = accel.kernels.get(ops.FLOW_MATCH_STEP), accel.kernels.get(ops.FLOW_SDE_STEP)
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="v has shape"):
+        euler(x, torch.zeros(2, 4), 0.5, 0.4)
+    with pytest.raises(ValueError, match="sigma_next=0.6"):
+        euler(x, x, 0.5, 0.6)
+    with pytest.raises(ValueError, match="sigma_max"):
+        sde(x, x, 1.0, 0.9)
+
+
+# -- C2 and gradients --------------------------------------------------------------------------
+
+def test_flow_sde_step_c2_recompute_is_exact_and_equals_cpu(accel, cpu):
+    step, cpu_step = accel.kernels.get(ops.FLOW_SDE_STEP), cpu.kernels.get(ops.FLOW_SDE_STEP)
+    x, v = _rand(2, 3, 8, 8, seed=8), _rand(2, 3, 8, 8, seed=9)
+    rollout = step(x, v, 0.8, 0.6, generator=torch.Generator().manual_seed(3))
+    again = step(x, v, 0.8, 0.6, prev_sample=rollout.sample)
+    assert again.sample is rollout.sample
+    assert torch.equal(rollout.log_prob, again.log_prob)              # C2: bit for bit
+    # the recompute of an RL update records gradients: still the same bits
+    v_grad = v.clone().requires_grad_(True)
+    update = step(x, v_grad, 0.8, 0.6, prev_sample=rollout.sample)
+    assert torch.equal(rollout.log_prob, update.log_prob.detach())
+    # same generator, same noise draw as cpu; log-prob within the float32 tolerance of cpu's
+    on_cpu = cpu_step(x, v, 0.8, 0.6, generator=torch.Generator().manual_seed(3))
+    np.testing.assert_allclose(rollout.sample.numpy(), on_cpu.sample.numpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(rollout.log_prob.numpy(), on_cpu.log_prob.numpy(), rtol=RTOL, atol=ATOL)
+    # gradients reach the log-prob through mean only, and equal cpu's (autograd through eager torch)
+    v_cpu = v.clone().requires_grad_(True)
+    sample = rollout.sample.clone().requires_grad_(True)
+    cpu_update = cpu_step(x, v_cpu, 0.8, 0.6, prev_sample=sample)
+    (update.log_prob.sum() + update.mean.square().mean()).backward()
+    (cpu_update.log_prob.sum() + cpu_update.mean.square().mean()).backward()
+    np.testing.assert_allclose(v_grad.grad.numpy(), v_cpu.grad.numpy(), rtol=RTOL, atol=ATOL)
+    assert sample.grad is None
+
+
+def test_flow_sde_step_bf16_recompute_is_exact_and_logprob_float32(accel):
+    step = accel.kernels.get(ops.FLOW_SDE_STEP)
+    x, v = _rand(2, 64, seed=10, dtype=torch.bfloat16), _rand(2, 64, seed=11, dtype=torch.bfloat16)
+    out = step(x, v, 0.5, 0.4, generator=torch.Generator().manual_seed(0))
+    assert out.sample.dtype == torch.bfloat16 and out.log_prob.dtype == torch.float32
+    again = step(x, v, 0.5, 0.4, prev_sample=out.sample)
+    assert torch.equal(out.log_prob, again.log_prob)
+    ref = reference.flow_sde_step(x.float().numpy(), v.float().numpy(), 0.5, 0.4,
+                                  prev_sample=out.sample.float().numpy())
+    np.testing.assert_allclose(out.log_prob.numpy(), ref.log_prob, rtol=RTOL, atol=ATOL)
+
+
+def test_a_new_sigma_resolution_or_storage_dtype_never_recompiles(accel):
+    euler, sde = accel.kernels.get(ops.FLOW_MATCH_STEP), accel.kernels.get(ops.FLOW_SDE_STEP)
+    x, v = _rand(2, 16, 2, 8, 8, seed=12), _rand(2, 16, 2, 8, 8, seed=13)
+    euler(x, v, 1.0, 0.95)                                           # warm (compiles at most once)
+    sde(x, v, 0.95, 0.9, generator=torch.Generator().manual_seed(0))
+    graphs, report = _graphs_built(), compiled.compile_report()["entries"]
+    sigmas = torch.linspace(0.9, 0.0, 9).tolist()
+    for sigma, sigma_next in pairwise(sigmas):
+        x = euler(x, v, sigma, sigma_next)
+        sde(x, v, sigma, sigma_next, generator=torch.Generator().manual_seed(1))
+    # storage dtypes are converted outside the graphs: they share the float32 graph
+    for xd, vd in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                   (torch.float32, torch.bfloat16)):
+        euler(x.to(xd), v.to(vd), 0.5, 0.4)
+        sde(x.to(xd), v.to(vd), 0.5, 0.4, generator=torch.Generator().manual_seed(2))
+    # the elementwise Euler graph has dynamic sizes (the log-prob reduction may add a size-range
+    # guard in inductor's codegen, so a very different resolution can cost it one recompile)
+    euler(_rand(2, 16, 2, 12, 12, seed=14), _rand(2, 16, 2, 12, 12, seed=15), 0.5, 0.4)
+    assert _graphs_built() == graphs
+    after = compiled.compile_report()["entries"]
+    for name in ("flow_match_step", "flow_sde_step.sample", "flow_sde_step.log_prob"):
+        assert after[name]["compiles"] == report[name]["compiles"], name
+        assert after[name]["calls"] > report[name]["calls"]
+
+
+# -- components --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    """A Wan 2.1 T2V checkpoint shrunk below the default tiny one (1 DiT layer, a 2-level VAE),
+    so that its graphs compile in seconds."""
+    from flowseam.testing.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(
+        "wan2.1-t2v", tmp_path_factory.mktemp("accel") / "wan", transformer={"num_layers": 1},
+        vae={"dim_mult": [1, 1], "temperal_downsample": [False], "z_dim": 4})
+
+
+def test_dit_is_compiled_in_place_and_equals_the_cpu_build(accel, cpu, tiny_wan):
+    import diffusers
+
+    spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
+    dit, ref = accel.build_component("dit", spec), cpu.build_component("dit", spec)
+    assert type(dit) is diffusers.WanTransformer3DModel and dit.config == ref.config
+    assert isinstance(dit._compiled_call_impl, compiled.Timed)       # compiled, class intact
+    assert next(dit.parameters()).dtype == torch.float32
+    z = dit.config.in_channels
+    latents, t = _rand(1, z, 1, 8, 8, seed=20), torch.tensor([700.0])
+    text = _rand(1, 6, dit.config.text_dim, seed=21)
+    before = _entry("dit:transformer")
+    with torch.no_grad():
+        out = dit(latents, t, text, return_dict=False)[0]
+        again = dit(latents, t * 0.5, text, return_dict=False)[0]    # new timestep: no recompile
+        want = ref(latents, t, text, return_dict=False)[0]
+    assert out.shape == want.shape
+    assert (out - want).abs().max().item() < 1e-4
+    assert again.shape == out.shape
+    # one compile for this shape (none if an earlier instance of this config compiled it), booked
+    # apart from the run: the second call is pure run time
+    after = _entry("dit:transformer")
+    assert after["calls"] - before["calls"] == 2 and after["compiles"] - before["compiles"] <= 1
+    assert f"f32[1,{z},1,8,8], f32[1], f32[1,6,{dit.config.text_dim}], return_dict=bool" in after["signatures"]
+    if after["compiles"] > before["compiles"]:
+        assert after["compile_s"] - before["compile_s"] > after["run_s"] - before["run_s"]
+
+
+def test_vae_encoder_and_decoder_are_compiled_and_equal_the_cpu_build(accel, cpu, tiny_wan):
+    import diffusers
+
+    spec = ComponentSpec("vae", "diffusers.AutoencoderKLWan", str(tiny_wan), "vae")
+    vae, ref = accel.build_component("vae", spec), cpu.build_component("vae", spec)
+    assert type(vae) is diffusers.AutoencoderKLWan
+    assert isinstance(vae.encoder._compiled_call_impl, compiled.Timed)
+    assert isinstance(vae.decoder._compiled_call_impl, compiled.Timed)
+    video = _rand(1, 3, 1, 16, 16, seed=22).clamp(-1, 1)
+    before = {name: _entry(name) for name in ("vae:vae.encoder", "vae:vae.decoder")}
+    with torch.no_grad():
+        latent = vae.encode(video).latent_dist.mode()
+        decoded = vae.decode(latent).sample
+        want_latent = ref.encode(video).latent_dist.mode()
+        want_decoded = ref.decode(want_latent).sample
+    assert (latent - want_latent).abs().max().item() < 1e-4
+    assert (decoded - want_decoded).abs().max().item() < 1e-4
+    for name, was in before.items():  # one call each, and each compiled (now or earlier) once
+        now = _entry(name)
+        assert now["calls"] - was["calls"] == 1 and now["compiles"] >= 1, name
+
+
+def test_text_encoder_falls_back_to_cpu_and_the_platform_says_why(accel, tiny_wan):
+    spec = ComponentSpec("text_encoder", "transformers.UMT5EncoderModel", str(tiny_wan), "text_encoder")
+    assert accel.component_plan("text_encoder") == ("cpu", "cpu", True)
+    encoder = accel.build_component("text_encoder", spec)
+    assert next(encoder.parameters()).device.type == "cpu"
+    assert getattr(encoder, "_compiled_call_impl", None) is None     # built by cpu, not compiled
+    record = [c for c in accel.components if c.kind == "text_encoder"][-1]
+    assert (record.device, record.plugin, record.fallback) == ("cpu", "cpu", True)
+    assert record.reason == "no plugin serving 'accel' builds 'text_encoder'"
+    assert "no plugin serving 'accel' builds 'text_encoder'" in accel.explain()
