@@ -1,11 +1,24 @@
 """flowseam: serve and RL-post-train flow-matching diffusion models through backend plugins.
 
 The public API is re-exported here; see DESIGN.md for the vocabulary.
+
+``import flowseam`` does not import torch: the names that need it (``load``, ``run_loop`` and the
+loop records) are imported on first access (PEP 562 ``__getattr__``). That keeps the plugin
+loader, ``flowseam backends`` and flowseam's pytest plugin (loaded by every pytest run in an
+environment where flowseam is installed) cheap to import.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from . import ops
 from .components import ComponentRecord, ComponentSpec
-from .declarations import Availability, BackendInfo, KernelRegistration, Provenance
+from .declarations import (
+    Availability,
+    BackendInfo,
+    ConformanceExpectations,
+    KernelRegistration,
+    Provenance,
+)
 from .errors import (
     BackendUnavailableError,
     ComponentBuildError,
@@ -16,19 +29,45 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .kernels import BoundKernel, KernelTable
-from .loading import load
-from .loops import BehaviorRecord, ExecutionProfile, LoopResult, run_loop
 from .platform import Platform
 from .plugins import discover
 from .request import DiffusionParams, GenerationRequest, TaskType
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .loading import load
+    from .loops import BehaviorRecord, ExecutionProfile, LoopResult, run_loop
+
 __version__ = "0.1.0"
+
+#: Public names whose modules import torch, imported on first access: name -> module.
+_LAZY = {
+    "load": "loading",
+    "BehaviorRecord": "loops", "ExecutionProfile": "loops", "LoopResult": "loops",
+    "run_loop": "loops",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the lazy public names, and submodules (``flowseam.loops``), on first access."""
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module 'flowseam' has no attribute {name!r}")
+
 
 __all__ = [
     "BehaviorRecord", "DiffusionParams", "ExecutionProfile", "GenerationRequest", "LoopResult",
     "TaskType", "load", "run_loop",
     "Availability", "BackendInfo", "BackendUnavailableError", "BoundKernel", "ComponentBuildError",
-    "ComponentRecord", "ComponentSpec", "FlowseamError", "KernelPinError", "KernelRegistration",
-    "KernelTable", "Platform", "PluginLoadError", "Provenance", "UnknownOpError", "discover",
-    "hookimpl", "ops",
+    "ComponentRecord", "ComponentSpec", "ConformanceExpectations", "FlowseamError",
+    "KernelPinError", "KernelRegistration", "KernelTable", "Platform", "PluginLoadError",
+    "Provenance", "UnknownOpError", "discover", "hookimpl", "ops",
 ]

@@ -7,7 +7,8 @@ A plugin is a module (or object) exposed under the ``flowseam.plugins`` entry-po
 
 whose functions are marked with :data:`flowseam.hookimpl`. Every hook is optional. Hooks are
 called while plugins are discovered and while a :class:`~flowseam.Platform` is built, once per
-plugin; they are never called during denoising. Each hook is called on *one plugin at a time*
+plugin (``flowseam_conformance_expectations`` only by the conformance suite); they are never
+called during denoising. Each hook is called on *one plugin at a time*
 (the loader needs to know which plugin answered), so ``firstresult`` only matters to code that
 calls ``pm.hook.<name>(...)`` directly; it is stated for each hook all the same.
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .components import ComponentSpec
-    from .declarations import Availability, BackendInfo, KernelRegistration
+    from .declarations import Availability, BackendInfo, ConformanceExpectations, KernelRegistration
 
 PROJECT = "flowseam"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -150,4 +151,29 @@ def flowseam_rewards() -> Mapping[str, Any] | None:
     (or a factory returning one).
 
     :returns: a mapping name → reward, or None.
+    """
+
+
+@hookspec(firstresult=True)
+def flowseam_conformance_expectations() -> ConformanceExpectations | None:
+    """Tell flowseam's conformance suite what this backend promises beyond its declarations.
+
+    firstresult: yes (one answer per backend).
+
+    Called only by the conformance suite (``pytest --pyargs flowseam.testing.conformance
+    --flowseam-backend NAME``), once per run, on the backend under test; never by discovery, a
+    Platform, serving or training, so a mistake here fails the suite and nothing else. Backends
+    that do not implement it get the defaults described in
+    :class:`flowseam.ConformanceExpectations` (derived from ``flowseam_component_kinds``).
+
+    Example (the accel backend: ``dit`` and ``vae`` are always its own, ``text_encoder`` never)::
+
+        @hookimpl
+        def flowseam_conformance_expectations():
+            return ConformanceExpectations(
+                overrides=["dit", "vae"], falls_back=["text_encoder"],
+                xfail_file=importlib.resources.files(__package__) / "conformance-xfail.txt",
+                torch_device=str(torch_device()))
+
+    :returns: a :class:`flowseam.ConformanceExpectations`, or None for the defaults.
     """

@@ -1,0 +1,355 @@
+"""What the conformance tests share: their cases, the standard request of each card, tolerances,
+and a recorder that captures the calls the serve loop makes into each component."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import pytest
+import torch
+
+from flowseam import ops
+from flowseam.declarations import Provenance
+from flowseam.models import CARDS as MODEL_CARDS
+from flowseam.ops.reference import TOLERANCES
+from flowseam.request import DiffusionParams, GenerationRequest
+from flowseam.testing.tiny import CARDS
+
+# -- tolerances --------------------------------------------------------------------------------
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (the keys of ``TOLERANCES``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tolerance(dtype: Any) -> tuple[float, float]:
+    """(rtol, atol) for results in ``dtype`` (:data:`flowseam.ops.reference.TOLERANCES`)."""
+    name = dtype_name(dtype)
+    if name not in TOLERANCES:
+        raise ValueError(f"no conformance tolerance for dtype {name!r}; "
+                         f"known: {sorted(TOLERANCES)}")
+    return TOLERANCES[name]
+
+
+def to_f64(value: Any) -> np.ndarray:
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def assert_close(got: Any, want: Any, dtype: Any, what: str) -> None:
+    """``got`` equals ``want`` within the tolerance of ``dtype`` (elementwise rtol/atol)."""
+    rtol, atol = tolerance(dtype)
+    g, w = to_f64(got), to_f64(want)
+    assert g.shape == w.shape, f"{what}: shape {g.shape}, expected {w.shape}"
+    np.testing.assert_allclose(
+        g, w, rtol=rtol, atol=atol,
+        err_msg=f"{what} (tolerance of {dtype_name(dtype)}: rtol={rtol}, atol={atol})")
+
+
+def randn(shape: tuple[int, ...], seed: int, dtype: str, device: str) -> torch.Tensor:
+    """Standard normal values drawn in float64, then rounded to ``dtype`` (so the oracle sees
+    exactly the kernel's inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(getattr(torch, dtype)).to(device)
+
+
+# -- kernel cases ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One solver step of the kernel checks: sigmas, latent shape and noise level."""
+
+    id: str
+    sigma: float
+    sigma_next: float
+    shape: tuple[int, ...]
+    sigma_max: float | None = None
+    noise_level: float = 0.7
+
+
+STEPS = (
+    Step("first", 1.0, 0.95, (2, 16, 2, 4, 4), sigma_max=0.95),  # sigma == 1: SDE uses sigma_max
+    Step("middle", 0.6, 0.45, (3, 37)),                          # odd size, rank 2
+    Step("last", 0.1, 0.0, (1, 16, 64)),                         # packed latents, batch 1, to 0
+    Step("large", 0.5, 0.3, (2, 16, 5, 12, 20), noise_level=1.0),
+)
+LARGE = STEPS[-1]
+
+#: id → (x dtype, v dtype). The last is what a bf16 DiT hands the loop: float32 latents and a
+#: bf16 velocity.
+STEP_DTYPES = {
+    "float32": ("float32", "float32"),
+    "float64": ("float64", "float64"),
+    "bfloat16": ("bfloat16", "bfloat16"),
+    "float16": ("float16", "float16"),
+    "float32-v_bfloat16": ("float32", "bfloat16"),
+}
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    id: str
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    mask: str | None = None  # "bool" (key padding, keep = True) or "float" (added to the scores)
+    scale: float | None = None
+
+
+ATTENTION_CASES = (
+    AttentionCase("self", (2, 2, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8)),
+    AttentionCase("cross", (1, 3, 10, 16), (1, 3, 7, 16), (1, 3, 7, 12)),
+    AttentionCase("bool_mask", (2, 2, 9, 8), (2, 2, 9, 8), (2, 2, 9, 8), mask="bool"),
+    AttentionCase("float_mask", (1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8), mask="float"),
+    AttentionCase("scale", (2, 1, 5, 4), (2, 1, 5, 4), (2, 1, 5, 4), scale=0.3),
+)
+ATTENTION_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """One kernel check: a registration (op, arch), input dtypes and a step or attention case."""
+
+    op: str
+    arch: str
+    x_dtype: str = "float32"
+    v_dtype: str = "float32"
+    step: Step | None = None
+    attention: AttentionCase | None = None
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype of mean/std/log_prob: float32, or float64 for float64 latents."""
+        return "float64" if self.x_dtype == "float64" else "float32"
+
+
+def _registrations(choice: Any) -> list:
+    return sorted(choice.record.kernels, key=lambda k: (k.op, k.arch))
+
+
+def registration_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
+    """Every (op, arch) the backend registers."""
+    for reg in _registrations(choice):
+        yield f"{reg.op}@{reg.arch}", KernelCase(reg.op, reg.arch)
+
+
+def kernel_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
+    """Every registration x dtype x step (solver ops) or attention case."""
+    for reg in _registrations(choice):
+        name = f"{reg.op}@{reg.arch}"
+        if reg.op == ops.ATTENTION:
+            for dtype in ATTENTION_DTYPES:
+                for case in ATTENTION_CASES:
+                    yield (f"{name}-{dtype}-{case.id}",
+                           KernelCase(reg.op, reg.arch, dtype, dtype, attention=case))
+        elif reg.op in (ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP):
+            for dtype_id, (xd, vd) in STEP_DTYPES.items():
+                for step in STEPS:
+                    yield (f"{name}-{dtype_id}-{step.id}",
+                           KernelCase(reg.op, reg.arch, xd, vd, step=step))
+        else:  # an op added to flowseam.ops without a conformance check: the test says so
+            yield name, KernelCase(reg.op, reg.arch)
+
+
+def sde_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
+    """Every flow_sde_step registration x dtype, on the large step."""
+    for reg in _registrations(choice):
+        if reg.op == ops.FLOW_SDE_STEP:
+            for dtype_id, (xd, vd) in STEP_DTYPES.items():
+                yield (f"{reg.op}@{reg.arch}-{dtype_id}",
+                       KernelCase(reg.op, reg.arch, xd, vd, step=LARGE))
+
+
+def sde_gradient_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
+    """Every flow_sde_step registration in float32 and float64, on the first and large steps."""
+    for reg in _registrations(choice):
+        if reg.op == ops.FLOW_SDE_STEP:
+            for dtype in ("float32", "float64"):
+                for step in (STEPS[0], LARGE):
+                    yield (f"{reg.op}@{reg.arch}-{dtype}-{step.id}",
+                           KernelCase(reg.op, reg.arch, dtype, dtype, step=step))
+
+
+def pinned_kernel(platform: Any, case: KernelCase) -> Any:
+    """The backend's own implementation of ``case`` (pinned by its implementation id); skips the
+    test when its arch rung is not on this host's chain."""
+    rec = platform.backend
+    chain = platform.arch_chains[rec.device]
+    if case.arch not in chain:
+        pytest.skip(f"{case.op} is registered at arch {case.arch!r}, which is not on this host's "
+                    f"{rec.device} arch chain ({' → '.join(chain)})")
+    prov = Provenance(case.op, rec.name, rec.distribution, rec.version, rec.device, case.arch)
+    return platform.kernels.pin(prov.impl_id)
+
+
+# -- cards, requests and components ----------------------------------------------------------
+
+PROMPT = "a red ball rolling on the grass"
+
+
+def card_cases(choice: Any) -> Iterator[tuple[str, str]]:
+    for card in CARDS:
+        yield card, card
+
+
+def component_cases(choice: Any) -> Iterator[tuple[str, tuple[str, Any]]]:
+    """Every component of every card: (card, ComponentEntry)."""
+    for card in CARDS:
+        for entry in MODEL_CARDS[card].components:
+            yield f"{card}-{entry.name}", (card, entry)
+
+
+def built_component_cases(choice: Any) -> Iterator[tuple[str, tuple[str, Any]]]:
+    """The components whose kind the backend declares it builds."""
+    for case_id, (card, entry) in component_cases(choice):
+        if choice.record.builds(entry.kind):
+            yield case_id, (card, entry)
+
+
+@functools.cache
+def conditioning_image():
+    """A fixed 40x48 RGB image (not the output size, so the I2V resize runs)."""
+    from PIL import Image
+
+    pixels = (np.random.RandomState(7).rand(40, 48, 3) * 255).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def request_for(card: str, *, sde_rollout: bool = False) -> GenerationRequest:
+    """The one request every test of ``card`` uses (same shapes everywhere, so a compiling
+    backend compiles each graph once): 3 steps at 32x32, Wan with 5 frames and CFG, seed 3."""
+    common = dict(num_steps=3, height=32, width=32, seed=3, sde_rollout=sde_rollout)
+    if card.startswith("wan"):
+        params = DiffusionParams(num_frames=5, guidance_scale=5.0,
+                                 negative_prompt="blurry, low quality", **common)
+    else:
+        params = DiffusionParams(guidance_scale=3.5, **common)
+    image = conditioning_image() if card == "wan2.1-i2v" else None
+    return GenerationRequest(prompt=PROMPT, task=MODEL_CARDS[card].task, params=params, image=image)
+
+
+# -- recording the calls into components ------------------------------------------------------
+
+def flatten(obj: Any, prefix: str = "out", depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a component's output (tuples, ModelOutputs, distributions), named by its
+    path (``out.latent_dist.mean``), moved to the CPU."""
+    if torch.is_tensor(obj):
+        return [(prefix, obj.detach().to("cpu").clone())]
+    if depth > 6:
+        return []
+    if isinstance(obj, Mapping):
+        items = list(obj.items())
+    elif isinstance(obj, (tuple, list)):
+        items = list(enumerate(obj))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+        items = sorted((k, v) for k, v in vars(obj).items() if not k.startswith("_"))
+    else:
+        return []
+    found = []
+    for key, value in items:
+        found += flatten(value, f"{prefix}.{key}", depth + 1)
+    return found
+
+
+def _clone(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_clone(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    return obj
+
+
+def _for_cpu(obj: Any) -> Any:
+    """Inputs as the cpu build takes them: on the CPU, floating tensors in float32."""
+    if torch.is_tensor(obj):
+        obj = obj.detach().to("cpu")
+        return obj.float() if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_for_cpu(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _for_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class Call:
+    """One call the loop made into a component: its inputs and the tensors it returned."""
+
+    method: str  # "__call__" (forward), "encode" or "decode"
+    args: tuple
+    kwargs: dict
+    outputs: list[tuple[str, torch.Tensor]]
+
+    def replay(self, component: Any) -> list[tuple[str, torch.Tensor]]:
+        """The same call on another build of the component (the cpu one), in float32."""
+        fn = component if self.method == "__call__" else getattr(component, self.method)
+        with torch.no_grad():
+            return flatten(fn(*_for_cpu(self.args), **_for_cpu(self.kwargs)))
+
+
+class _Recorder:
+    """Stands in for a component during one serve run: forwards everything, and records the
+    first and the latest call of ``forward``, ``encode`` and ``decode``. A proxy rather than a
+    hook, so a compiled module is called exactly as in serving (no recompilation)."""
+
+    _METHODS = ("encode", "decode")
+
+    def __init__(self, target: Any, calls: list[Call]) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_calls", calls)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if name in self._METHODS and callable(attr):
+            return functools.partial(self._record, name, attr)
+        return attr
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._record("__call__", self._target, *args, **kwargs)
+
+    def _record(self, method: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        inputs = _clone(args), _clone(kwargs)
+        out = fn(*args, **kwargs)
+        call = Call(method, *inputs, flatten(out))
+        same = [i for i, c in enumerate(self._calls) if c.method == method]
+        if len(same) >= 2:
+            self._calls[same[-1]] = call  # keep the first and the latest
+        else:
+            self._calls.append(call)
+        return out
+
+
+@contextlib.contextmanager
+def recording(model: Any) -> Iterator[dict[str, list[Call]]]:
+    """Record the calls into every ``torch.nn.Module`` component of ``model`` (by name)."""
+    original = dict(model.components)
+    calls: dict[str, list[Call]] = {}
+    for name, component in original.items():
+        if isinstance(component, torch.nn.Module):
+            calls[name] = []
+            model.components[name] = _Recorder(component, calls[name])
+    try:
+        yield calls
+    finally:
+        model.components.update(original)
+
+
+def compare_outputs(got: list, want: list, dtype: Any, what: str) -> None:
+    """Two flattened outputs: the same names, and equal tensors within ``dtype``'s tolerance
+    (integer tensors exactly)."""
+    assert [k for k, _ in got] == [k for k, _ in want], \
+        f"{what}: outputs {[k for k, _ in got]}, expected {[k for k, _ in want]}"
+    for (key, g), (_, w) in zip(got, want):
+        if g.is_floating_point():
+            assert_close(g, w, dtype, f"{what} {key}")
+        else:
+            assert torch.equal(g.cpu(), w.cpu()), f"{what} {key}: integer outputs differ"

@@ -1,0 +1,212 @@
+"""Every kernel the backend registers, against the numpy float64 oracle and the op contracts
+(:mod:`flowseam.ops`): values, dtypes, shapes, bad arguments, C2 and the log-prob gradient."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flowseam import ops
+from flowseam.ops import reference
+from flowseam.testing.conformance._support import (
+    KernelCase,
+    assert_close,
+    kernel_cases,
+    pinned_kernel,
+    randn,
+    registration_cases,
+    sde_cases,
+    sde_gradient_cases,
+    to_f64,
+)
+
+#: C2: the PPO ratio exp(recomputed - rollout log-prob) must be 1 within this.
+RATIO_TOL = 1e-6
+
+
+def _step_inputs(case: KernelCase, device: str):
+    s = case.step
+    x = randn(s.shape, 1, case.x_dtype, device)
+    v = randn(s.shape, 2, case.v_dtype, device)
+    noise = randn(s.shape, 3, case.compute_dtype, device)
+    return x, v, noise
+
+
+def _check_flow_match_step(kernel, case: KernelCase, device: str) -> None:
+    s = case.step
+    x, v, _ = _step_inputs(case, device)
+    out = kernel(x, v, s.sigma, s.sigma_next)
+    assert torch.is_tensor(out), f"flow_match_step returned {type(out).__name__}, not a tensor"
+    assert out.shape == x.shape and out.dtype == x.dtype, \
+        f"flow_match_step returned {out.dtype}{tuple(out.shape)}; the contract is x's " \
+        f"{x.dtype}{tuple(x.shape)}"
+    assert out.device == x.device, \
+        f"flow_match_step returned a tensor on {out.device}, x is on {x.device}"
+    want = reference.flow_match_step(to_f64(x), to_f64(v), s.sigma, s.sigma_next)
+    assert_close(out, want, x.dtype, "flow_match_step")
+
+
+def _check_flow_sde_step(kernel, case: KernelCase, device: str) -> None:
+    s = case.step
+    x, v, noise = _step_inputs(case, device)
+    out = kernel(x, v, s.sigma, s.sigma_next, noise=noise, noise_level=s.noise_level,
+                 sigma_max=s.sigma_max)
+    for name in ("sample", "log_prob", "mean", "std"):
+        assert hasattr(out, name), f"flow_sde_step's result has no {name!r} (see SDEStepOutput)"
+    batch = x.shape[0]
+    assert out.sample.shape == x.shape and out.sample.dtype == x.dtype, \
+        f"sample is {out.sample.dtype}{tuple(out.sample.shape)}; the contract is x's " \
+        f"{x.dtype}{tuple(x.shape)}"
+    assert tuple(out.log_prob.shape) == (batch,), \
+        f"log_prob has shape {tuple(out.log_prob.shape)}, expected ({batch},)"
+    for name in ("log_prob", "mean", "std"):
+        got = getattr(out, name).dtype
+        wide_enough = got == torch.float64 or (got == torch.float32
+                                               and case.compute_dtype == "float32")
+        assert wide_enough, f"{name} is {got}; the contract is float32 or wider " \
+                            f"({case.compute_dtype} for {x.dtype} latents)"
+    want = reference.flow_sde_step(to_f64(x), to_f64(v), s.sigma, s.sigma_next, noise=to_f64(noise),
+                                   noise_level=s.noise_level, sigma_max=s.sigma_max)
+    assert_close(out.sample, want.sample, x.dtype, "sample")
+    assert_close(out.mean, want.mean, case.compute_dtype, "mean")
+    assert_close(out.std, want.std, case.compute_dtype, "std")
+    # The log-prob is that of the *returned* sample (rounded to x's dtype), per the contract.
+    of_sample = reference.flow_sde_step(to_f64(x), to_f64(v), s.sigma, s.sigma_next,
+                                        prev_sample=to_f64(out.sample), noise_level=s.noise_level,
+                                        sigma_max=s.sigma_max)
+    assert_close(out.log_prob, of_sample.log_prob, case.compute_dtype, "log_prob")
+
+
+def _attention_inputs(case: KernelCase, device: str):
+    a = case.attention
+    dtype = case.x_dtype
+    q, k, v = (randn(shape, seed, dtype, device) for shape, seed in ((a.q, 4), (a.k, 5), (a.v, 6)))
+    mask = None
+    if a.mask == "bool":  # key padding: sample b keeps its first Lk - b - 1 keys (never all masked)
+        keep = torch.ones(a.q[0], 1, 1, a.k[2], dtype=torch.bool)
+        for b in range(a.q[0]):
+            keep[b, ..., a.k[2] - b - 1:] = False
+        mask = keep.to(device)
+    elif a.mask == "float":
+        mask = randn((a.q[0], a.q[1], a.q[2], a.k[2]), 7, dtype, device)
+    return q, k, v, mask
+
+
+def _check_attention(kernel, case: KernelCase, device: str) -> None:
+    q, k, v, mask = _attention_inputs(case, device)
+    out = kernel(q, k, v, attn_mask=mask, scale=case.attention.scale)
+    want_shape = (*q.shape[:3], v.shape[-1])
+    assert tuple(out.shape) == want_shape and out.dtype == q.dtype, \
+        f"attention returned {out.dtype}{tuple(out.shape)}, expected {q.dtype}{want_shape}"
+    np_mask = mask
+    if mask is not None:
+        np_mask = mask.cpu().numpy() if mask.dtype == torch.bool else to_f64(mask)
+    want = reference.attention(to_f64(q), to_f64(k), to_f64(v), attn_mask=np_mask,
+                               scale=case.attention.scale)
+    assert_close(out, want, q.dtype, "attention")
+
+
+_CHECKS = {
+    ops.FLOW_MATCH_STEP: _check_flow_match_step,
+    ops.FLOW_SDE_STEP: _check_flow_sde_step,
+    ops.ATTENTION: _check_attention,
+}
+
+
+@pytest.mark.flowseam_cases(cases=kernel_cases, empty="it registers no kernel")
+def test_kernel_matches_oracle(flowseam_platform, flowseam_case, expectations):
+    """C1 against the numpy float64 oracle, tolerance of the output dtype."""
+    kernel = pinned_kernel(flowseam_platform, flowseam_case)
+    check = _CHECKS.get(flowseam_case.op)
+    assert check is not None, f"the conformance suite has no check for op {flowseam_case.op!r} yet"
+    check(kernel, flowseam_case, expectations.torch_device)
+
+
+@pytest.mark.flowseam_cases(cases=registration_cases, empty="it registers no kernel")
+def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectations):
+    """The contract's bad arguments raise ValueError (shape mismatch, sigmas out of order or out
+    of [0, 1], sigma == 1 without sigma_max, sigma_next == sigma for the SDE step)."""
+    kernel = pinned_kernel(flowseam_platform, flowseam_case)
+    device = expectations.torch_device
+    if flowseam_case.op == ops.ATTENTION:
+        q = randn((2, 4, 8), 1, "float32", device)
+        with pytest.raises(ValueError):
+            kernel(q, q, q)
+        return
+    x, v = randn((2, 8), 1, "float32", device), randn((2, 8), 2, "float32", device)
+    bad = [((x, randn((2, 9), 3, "float32", device), 0.5, 0.4), "v's shape differs from x's"),
+           ((x, v, 1.5, 0.4), "sigma > 1"),
+           ((x, v, 0.4, 0.5), "sigma_next > sigma")]
+    if flowseam_case.op == ops.FLOW_SDE_STEP:
+        bad += [((x, v, 1.0, 0.9), "sigma == 1 without sigma_max"),
+                ((x, v, 0.5, 0.5), "sigma_next == sigma")]
+    for args, what in bad:
+        with pytest.raises(ValueError):
+            kernel(*args)
+            pytest.fail(f"{flowseam_case.op} accepted bad arguments ({what})")
+
+
+@pytest.mark.flowseam_cases(cases=sde_cases, empty="it registers no flow_sde_step kernel")
+def test_sde_recompute_reproduces_log_prob(flowseam_platform, flowseam_case, expectations):
+    """C2 at the kernel level: a rollout step drawn from a seeded generator, recomputed with
+    ``prev_sample=``, gives the same log-prob (PPO ratio 1 within 1e-6); the same seed gives the
+    same sample; the drawn noise is standard normal."""
+    kernel = pinned_kernel(flowseam_platform, flowseam_case)
+    s = flowseam_case.step
+    device = expectations.torch_device
+    x, v, _ = _step_inputs(flowseam_case, device)
+    kw = dict(noise_level=s.noise_level, sigma_max=s.sigma_max)
+
+    def rollout():
+        generator = torch.Generator(device).manual_seed(11)
+        return kernel(x, v, s.sigma, s.sigma_next, generator=generator, **kw)
+
+    first, again = rollout(), rollout()
+    assert torch.equal(first.sample, again.sample), \
+        "the same seeded generator drew different samples"
+    recomputed = kernel(x, v, s.sigma, s.sigma_next, prev_sample=first.sample, **kw)
+    assert torch.equal(recomputed.sample, first.sample), \
+        "prev_sample was not returned as the sample"
+    ratio = torch.exp(recomputed.log_prob.double() - first.log_prob.double())
+    worst = float((ratio - 1).abs().max())
+    assert worst <= RATIO_TOL, \
+        f"recomputed log-prob differs: max |ratio - 1| = {worst:.3g} > {RATIO_TOL}"
+    z = ((first.sample.double() - first.mean.double()) / float(first.std)).flatten()
+    assert abs(float(z.mean())) < 0.05 and abs(float(z.std()) - 1) < 0.05, \
+        f"noise drawn from the generator is not standard normal: mean {float(z.mean()):.3f}, " \
+        f"std {float(z.std()):.3f}"
+
+
+@pytest.mark.flowseam_cases(cases=sde_gradient_cases, empty="it registers no flow_sde_step kernel")
+def test_sde_log_prob_gradient(flowseam_platform, flowseam_case, expectations):
+    """The log-prob's gradient reaches x and v through the mean only (the sample enters
+    detached): d log_prob_b / d mean = (sample - mean) / (N std^2), d mean / dx = A,
+    d mean / dv = B (Flow-GRPO's SDE step; coefficients in :mod:`flowseam.ops`)."""
+    kernel = pinned_kernel(flowseam_platform, flowseam_case)
+    s = flowseam_case.step
+    device = expectations.torch_device
+    x, v, noise = _step_inputs(flowseam_case, device)
+    kw = dict(noise_level=s.noise_level, sigma_max=s.sigma_max)
+    sample = kernel(x, v, s.sigma, s.sigma_next, noise=noise, **kw).sample.detach()
+    x, v, sample = x.requires_grad_(), v.requires_grad_(), sample.requires_grad_()
+    out = kernel(x, v, s.sigma, s.sigma_next, prev_sample=sample, **kw)
+    out.log_prob.sum().backward()
+    assert sample.grad is None or not sample.grad.any(), \
+        "the log-prob was differentiated through the sample"
+    ref = reference.flow_sde_step(to_f64(x), to_f64(v), s.sigma, s.sigma_next,
+                                  prev_sample=to_f64(sample), **kw)
+    dt = s.sigma_next - s.sigma
+    std_dev_t = ops.sde_std_dev_t(s.sigma, s.noise_level, s.sigma_max)
+    coef_x = 1.0 + std_dev_t**2 * dt / (2.0 * s.sigma)
+    coef_v = (1.0 + std_dev_t**2 * (1.0 - s.sigma) / (2.0 * s.sigma)) * dt
+    n = math.prod(x.shape[1:])
+    d_mean = (to_f64(sample) - ref.mean) / (n * float(ref.std) ** 2)
+    for name, got, coef in (("x", x.grad, coef_x), ("v", v.grad, coef_v)):
+        assert got is not None, f"no gradient reached {name}"
+        want = d_mean * coef
+        rtol, _ = reference.TOLERANCES[flowseam_case.x_dtype]
+        np.testing.assert_allclose(to_f64(got), want, rtol=rtol, atol=rtol * np.abs(want).max(),
+                                   err_msg=f"d log_prob / d {name}")
