@@ -63,6 +63,7 @@ def test_generate_video_and_summary_line(ckpts, tmp_path):
                 "--output", str(out))
     assert r.returncode == 0, r.stderr
     assert out.is_file()
+    assert len(r.stdout.strip().splitlines()) == 1  # one summary line
     assert "wrote" in r.stdout and " s" in r.stdout
     assert "transformer=cpu/cpu" in r.stdout and "flow_match_step=cpu:flow_match_step" in r.stdout
 

@@ -193,7 +193,7 @@ def test_load_errors_name_the_file(checkpoints, tmp_path, cpu, monkeypatch):
         flowseam.load("some-org/some-model", platform=cpu)
 
 
-def test_workflow_feeds_the_generated_image_to_image_to_video(models):
+def test_workflow_feeds_the_generated_image_to_image_to_video(models, fixture_plugins_dir):
     from flowseam.workflows import Workflow
 
     wf = Workflow(models["flux.1-t2i"], models["wan2.1-i2v"])
@@ -204,5 +204,13 @@ def test_workflow_feeds_the_generated_image_to_image_to_video(models):
     assert image.shape == (1, 1, 32, 32, 3) and video.shape == (1, 5, 32, 32, 3)
     direct = models["wan2.1-i2v"].generate("a dog", image=image[0, 0], params=i2v.replace(seed=5))
     assert np.array_equal(direct.frames, video)
+    # each stage keeps its own platform: stage 2 on a backend whose vae is its own
+    with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,testdev_a") as reg:
+        i2v_platform = flowseam.Platform("testdev_a", registry=reg)
+        i2v_other = flowseam.load(models["wan2.1-i2v"].path, platform=i2v_platform)
+        mixed = Workflow(models["flux.1-t2i"], i2v_other).run("a dog", t2i_params=t2i, i2v_params=i2v, seed=5)
+        assert models["flux.1-t2i"].platform.name == "cpu" and i2v_other.platform.name == "testdev_a"
+        assert i2v_other.component_records["vae"].plugin == "testdev_a"
+        assert np.abs(mixed.frames - video).max() <= 1e-5
     with pytest.raises(ValueError, match="stage 1 of t2i-i2v must be text-to-image"):
         Workflow(models["wan2.1-i2v"], models["wan2.1-i2v"])

@@ -55,12 +55,18 @@ def test_rollout_without_sde_is_bit_identical_to_serve_and_captures_records(ckpt
     assert np.array_equal(serve.frames, roll.frames) and serve.records == []
     assert len(roll.records) == 3
     step = cpu.kernels.get(flowseam.ops.FLOW_MATCH_STEP)
+    from diffusers import FlowMatchEulerDiscreteScheduler  # the peer's schedule, independently
+
+    peer = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    peer.set_timesteps(3)
+    assert [r.sigma for r in roll.records] + [roll.records[-1].sigma_next] == peer.sigmas.tolist()
     for i, rec in enumerate(roll.records):
         assert rec.impl_id == step.impl_id and rec.log_prob is None
-        assert (rec.sigma, rec.sigma_next) == (roll.records[i].sigma, rec.sigma_next)
+        assert torch.equal(rec.timestep, peer.timesteps[i].expand(1))
         if i:
             assert torch.equal(rec.latents, roll.records[i - 1].next_latents)
     assert roll.records[-1].sigma_next == 0.0
+    assert np.array_equal(flowseam.rollout_loop(model, req).frames, serve.frames)
 
 
 def test_sde_rollout_gives_each_group_member_its_own_noise(ckpts, cpu):
@@ -294,3 +300,91 @@ max_sequence_length = 16
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
     bad = run_cli("train", "--method", "nosuch", "--config", str(cfg))
     assert bad.returncode != 0 and "registered methods" in bad.stderr
+
+
+def test_group_advantages_hand_computed():
+    from flowseam.training.grpo import GRPOConfig, group_advantages
+
+    cfg = GRPOConfig(eps=0.0, adv_clip_max=5.0)
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0], [0.0, float("nan"), 1.0]])
+    adv, valid, stats = group_advantages(rewards, cfg)
+    s = (2.0 / 3.0) ** 0.5  # population std of 1, 2, 3
+    torch.testing.assert_close(adv[0], torch.tensor([-1 / s, 0.0, 1 / s]))
+    assert adv[1].tolist() == [0.0, 0.0, 0.0] and adv[2].tolist() == [0.0, 0.0, 0.0]
+    assert valid.tolist() == [True, True, False]
+    assert stats["groups_skipped_nan"] == 1 and stats["frac_zero_std_groups"] == pytest.approx(1 / 3)
+    clipped, _, _ = group_advantages(rewards, GRPOConfig(eps=0.0, adv_clip_max=1.0))
+    assert clipped[0].tolist() == [-1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="K >= 2"):
+        group_advantages(torch.ones(2, 1), cfg)
+
+
+def test_timestep_fraction_kl_and_metrics(ckpts, cpu, tmp_path):
+    from flowseam.training.grpo import train_timesteps
+
+    picked = train_timesteps(10, 0.5, seed=3)
+    assert len(picked) == 5 and picked == sorted(set(picked)) and picked == train_timesteps(10, 0.5, 3)
+    g = _grpo(ckpts, cpu, steps=1, output_dir=str(tmp_path), sampling=dict(SAMPLING, num_steps=4),
+              grpo=dict(beta=0.04, clip_range=0.2, timestep_fraction=0.5))
+    g.run(progress=False)
+    assert len(g.last_stats.first_epoch_ratios) == 2  # ceil(0.5 * 4) steps, one group
+    assert g.last_stats.kl_ref == [0.0, 0.0]  # policy == reference before the first update
+    (rec,) = read_metrics(tmp_path / "metrics.jsonl")
+    required = {"reward_mean", "reward_std", "adv_mean", "adv_std", "adv_min", "adv_max",
+                "frac_zero_std_groups", "ratio_mean", "ratio_min", "ratio_max", "clip_frac",
+                "approx_kl", "kl_ref", "grad_norm", "seconds_rollout", "seconds_reward",
+                "seconds_update", "seconds_sync", "weights_version"}
+    assert required <= set(rec), required - set(rec)
+    assert rec["weights_version"] == 1 and rec["grad_norm"] > 0
+
+
+def test_ema_sync_averages(ckpts, cpu):
+    import copy
+
+    model = flowseam.load(ckpts["flux.1-t2i"], platform=cpu)
+    student = copy.deepcopy(model.dit)
+    plan = WeightSyncPlan(student, model, "transformer", WeightRole.EMA, decay=0.25)
+    plan.sync()  # the first sync copies
+    first = {n: p.clone() for n, p in model.dit.named_parameters()}
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(1.0)
+    plan.sync()
+    for (n, p), q in zip(model.dit.named_parameters(), student.parameters()):
+        torch.testing.assert_close(p, 0.25 * first[n] + 0.75 * q)
+    assert plan.version == 2 and model.versions["transformer"] == 2
+
+
+def test_yaml_and_toml_configs_load_alike(tmp_path):
+    from flowseam.training.config import load_config
+
+    (tmp_path / "a.yaml").write_text("prompts: [a ball]\ngroup_size: 3\nsampling:\n  num_steps: 2\n")
+    (tmp_path / "a.toml").write_text('prompts = ["a ball"]\ngroup_size = 3\n[sampling]\nnum_steps = 2\n')
+    assert load_config(tmp_path / "a.yaml") == load_config(tmp_path / "a.toml") == {
+        "prompts": ["a ball"], "group_size": 3, "sampling": {"num_steps": 2}}
+    (tmp_path / "b.json").write_text("{}")
+    with pytest.raises(FlowseamError, match="unsupported suffix '.json'"):
+        load_config(tmp_path / "b.json")
+
+
+def test_workflow_rl_gives_both_stages_the_same_advantage(ckpts, cpu, monkeypatch):
+    import flowseam.training.workflow_rl as wrl
+
+    seen = {}
+    real = wrl.ppo_update
+
+    def spy(policy, reference, trajectories, *a, **k):
+        stage = "t2i" if trajectories[0].model is wf.t2i else "i2v"
+        seen[stage] = torch.cat([t.advantages for t in trajectories])
+        return real(policy, reference, trajectories, *a, **k)
+
+    monkeypatch.setattr(wrl, "ppo_update", spy)
+    wf = WorkflowRL(dict(prompts=["a ball"], reward="brightness", group_size=3, steps=1, seed=1,
+                         t2i_sampling=dict(num_steps=2, height=32, width=32, max_sequence_length=16),
+                         i2v_sampling=dict(num_steps=2, height=32, width=32, num_frames=5),
+                         grpo=dict(beta=0.0, clip_range=0.2)),
+                    t2i=flowseam.load(ckpts["flux.1-t2i"], platform=cpu),
+                    i2v=flowseam.load(ckpts["wan2.1-i2v"], platform=cpu))
+    wf.train_step()
+    assert seen["t2i"].shape == (3,) and torch.equal(seen["t2i"], seen["i2v"])
+    assert seen["t2i"].abs().sum() > 0

@@ -35,7 +35,7 @@ from .request import DiffusionParams, GenerationRequest, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loading import load
-    from .loops import BehaviorRecord, ExecutionProfile, LoopResult, run_loop
+    from .loops import BehaviorRecord, ExecutionProfile, LoopResult, rollout_loop, run_loop
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load": "loading",
     "BehaviorRecord": "loops", "ExecutionProfile": "loops", "LoopResult": "loops",
-    "run_loop": "loops",
+    "run_loop": "loops", "rollout_loop": "loops",
 }
 
 
@@ -65,7 +65,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BehaviorRecord", "DiffusionParams", "ExecutionProfile", "GenerationRequest", "LoopResult",
-    "TaskType", "load", "run_loop",
+    "TaskType", "load", "rollout_loop", "run_loop",
     "Availability", "BackendInfo", "BackendUnavailableError", "BoundKernel", "ComponentBuildError",
     "ComponentRecord", "ComponentSpec", "ConformanceExpectations", "FlowseamError",
     "KernelPinError", "KernelRegistration", "KernelTable", "Platform", "PluginLoadError",

@@ -102,10 +102,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = DiffusionParams(num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
                              height=args.height, width=args.width, num_frames=args.frames,
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift)
-    platform = Platform(args.backend) if args.backend else Platform.detect()
+    backends = args.backend or [None]
+    if len(backends) > (2 if args.workflow else 1):
+        raise ValueError(f"--backend given {len(backends)} times; once, or once per workflow stage")
+    platforms = [Platform(b) if b else Platform.detect() for b in backends]
+    platform = platforms[0]
     started = time.perf_counter()
     if args.workflow is not None:
-        t2i, i2v = (load(m, platform=platform) for m in args.model)
+        # each stage keeps its own platform resolution (a second --backend sets stage 2's)
+        t2i, i2v = load(args.model[0], platform=platform), load(args.model[1], platform=platforms[-1])
         workflow = WORKFLOWS[args.workflow](t2i, i2v)
         image_params = params.replace(num_frames=None, negative_prompt=None)
         result = workflow.run(args.prompt, t2i_params=image_params, i2v_params=params,
@@ -121,9 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     media.write_output(args.output, frames[0], fps=args.fps)
     seconds = time.perf_counter() - started
     print(f"wrote {args.output} ({frames.shape[1]} frame(s) of {frames.shape[2]}x{frames.shape[3]}) "
-          f"in {seconds:.2f} s")
-    for m in models:
-        print(m.provenance())
+          f"in {seconds:.2f} s | " + " | ".join(m.provenance() for m in models))
     return 0
 
 
@@ -190,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--height", type=int, help="pixels")
     g.add_argument("--width", type=int, help="pixels")
     g.add_argument("--fps", type=int, default=8, help="frames per second of a written video")
-    g.add_argument("--backend", help="backend name (default: the highest-priority available)")
+    g.add_argument("--backend", action="append",
+                   help="backend name (default: the highest-priority available); with --workflow, "
+                        "give it twice to choose each stage's backend")
     g.add_argument("--output", required=True, help=".png for images, .mp4 or .gif for videos")
     g.set_defaults(func=cmd_generate)
 

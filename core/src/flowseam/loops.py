@@ -142,6 +142,14 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
         kernels={op: step.impl_id})
 
 
+def rollout_loop(model: "ModelInstance", request: GenerationRequest,
+                 profile: ExecutionProfile = ExecutionProfile.ROLLOUT, decode: bool = True) -> LoopResult:
+    """A rollout: the serve loop (:func:`run_loop`) with capture — one :class:`BehaviorRecord` per
+    step. With ``request.params.sde_rollout`` the steps are Flow-GRPO's SDE steps with log-probs;
+    without it the result is bit-identical to serving the same request."""
+    return run_loop(model, request, profile=profile, decode=decode)
+
+
 def _sde_noise(latents: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """Per-sample SDE noise: row b from generators[b], so every group member has its own."""
     from .models.base import draw_noise

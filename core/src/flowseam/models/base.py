@@ -156,24 +156,72 @@ class ModelInstance:
 
     # -- step bodies (card-specific) -----------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
+        """Fill the card's defaults into ``request.params`` and validate the request.
+
+        :raises ValueError: naming the bad value and what is allowed (the card's ``rules``).
+        """
         raise NotImplementedError
 
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
+        """Text (and image) conditioning for the B prompts: ``prompt_embeds (B, L, D)`` in the
+        DiT's dtype, ``negative_embeds`` when CFG is on, card-specific tensors in ``extra``.
+        Cached per (text-encoder weights version, prompt)."""
         raise NotImplementedError
 
     def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+        """``(sigmas, timesteps)``: N + 1 sigmas from 1 down to 0 (Python floats) and the N
+        timesteps ``(N,)`` float32 the DiT is given, with the flow shift applied."""
         raise NotImplementedError
 
     def prepare_latents(self, request: GenerationRequest, params: DiffusionParams,
                         generators: list[torch.Generator], cond: Conditioning) -> torch.Tensor:
+        """Initial noise ``(B, ...)`` float32 (card layout), row b drawn from ``generators[b]``;
+        may add per-request conditioning to ``cond.extra`` (I2V condition, Flux position ids)."""
         raise NotImplementedError
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
                  params: DiffusionParams, dit: torch.nn.Module | None = None) -> torch.Tensor:
+        """The (guided) velocity at ``latents`` ``(B, ...)`` and ``timestep`` ``(B,)``, latents'
+        shape, in the DiT's dtype. ``dit`` overrides the instance's DiT (a trainer's copy)."""
         raise NotImplementedError
 
     def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:
+        """Final latents → frames ``(B, F, H, W, 3)`` float32 in [0, 1] (F = 1 for images)."""
         raise NotImplementedError
+
+    #: ``Conditioning.extra`` keys shared by every row of a batch (not stacked by
+    #: :meth:`stack_conditions`), e.g. Flux's position ids.
+    SHARED_CONDITION_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    def condition(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
+        """Everything the DiT is conditioned on for ``request`` (what :meth:`encode` and
+        :meth:`prepare_latents` compute, without keeping the noise): text embeddings and, for
+        I2V, the image condition. Used to cache conditions for training (``finetune``)."""
+        cond = self.encode(request, params)
+        generators = [torch.Generator().manual_seed(s) for s in request.sample_seeds(params)]
+        self.prepare_latents(request, params, generators, cond)
+        return cond
+
+    def stack_conditions(self, conds: list[Conditioning]) -> Conditioning:
+        """One batch from single-sample conditions: tensors are concatenated along the batch
+        axis, :attr:`SHARED_CONDITION_KEYS` are taken from the first, other values listed.
+
+        :raises ValueError: for an empty list.
+        """
+        if not conds:
+            raise ValueError("stack_conditions needs at least one Conditioning")
+        first = conds[0]
+        cat = lambda xs: torch.cat(xs, dim=0) if xs[0] is not None else None  # noqa: E731
+        extra: dict[str, Any] = {}
+        for key, value in first.extra.items():
+            if key in self.SHARED_CONDITION_KEYS:
+                extra[key] = value
+            elif torch.is_tensor(value):
+                extra[key] = torch.cat([c.extra[key] for c in conds], dim=0)
+            else:
+                extra[key] = [c.extra[key] for c in conds]
+        return Conditioning(prompt_embeds=cat([c.prompt_embeds for c in conds]),
+                            negative_embeds=cat([c.negative_embeds for c in conds]), extra=extra)
 
     def encode_latents(self, frames: np.ndarray | torch.Tensor, params: DiffusionParams) -> torch.Tensor:
         """The inverse of :meth:`decode` (VAE mean, normalised as the DiT sees latents): frames

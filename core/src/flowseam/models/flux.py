@@ -27,6 +27,8 @@ from .base import (
 class FluxT2I(ModelInstance):
     """FLUX.1 text-to-image. Packed latents ``(B, (H/16)*(W/16), 64)``."""
 
+    SHARED_CONDITION_KEYS = ("text_ids", "img_ids")  # position ids, the same for every row
+
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.components["vae"].config.block_out_channels) - 1)

@@ -32,7 +32,12 @@ def derive_seed(base: int, *keys: int) -> int:
 class Stage:
     """The trainable side of one model: the trainer's policy copy of the DiT, a frozen
     reference copy (KL), an AdamW optimizer, and the WeightSyncPlan that hands the policy to the
-    instance that rolls out."""
+    instance that rolls out.
+
+    The copies are ``copy.deepcopy`` of the instance's DiT: on the accel backend, whose DiT is
+    compiled in place, the copy runs eager (deepcopy drops the compiled wrapper), so updates are
+    eager while rollouts are compiled; the log-probs agree to float rounding (C2 holds within
+    1e-6; the conformance suite checks the rollout/recompute identity per backend)."""
 
     name: str
     model: ModelInstance

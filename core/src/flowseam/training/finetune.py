@@ -7,6 +7,11 @@ the DiT is trained to predict the velocity ``ε - x0`` at timestep ``σ·1000`` 
 (replaced by the empty string) with probability ``p_uncond`` so the model also learns the
 unconditional velocity that CFG needs.
 
+Every example is encoded once, before the first step (VAE latents, prompt embeddings, and for
+image-to-video the image condition and image embeddings; :meth:`Finetune.prepare`); a step is one
+batched forward and backward of the DiT. Each row draws its prompt dropout, noise and ``σ`` from
+its own seed, so its loss does not depend on the batch it is in.
+
 Config::
 
     model = "path/to/checkpoint"
@@ -17,15 +22,18 @@ Config::
     output_dir = "runs/ft"        # metrics.jsonl, checkpoints/, and model/ (the trained checkpoint)
     checkpoint_every = 0
     [sampling] height, width, num_frames, guidance_scale (the guidance value Flux's embedding sees)
-    [train]    p_uncond = 0.1, sigma_sampling = "logit_normal" | "uniform", max_grad_norm = 1.0
+    [train]    p_uncond = 0.1, sigma_sampling = "logit_normal" | "uniform", max_grad_norm = 1.0,
+               lr_schedule = "constant" | "cosine" (linear warm-up, then cosine to 0), warmup_steps = 0
     [optim]    lr, weight_decay, beta1, beta2, adam_eps
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,7 +42,7 @@ import torch
 
 from ..errors import FlowseamError
 from ..loading import load
-from ..models.base import ModelInstance
+from ..models.base import Conditioning, ModelInstance
 from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, run_training
@@ -43,7 +51,8 @@ from .flowgrpo import check_top
 
 TOP_DEFAULTS = dict(model=None, backend=None, data=None, steps=100, batch_size=4, seed=0,
                     output_dir=None, checkpoint_every=0, sampling={}, train={}, optim={}, lora={})
-TRAIN_DEFAULTS = dict(p_uncond=0.1, sigma_sampling="logit_normal", max_grad_norm=1.0)
+TRAIN_DEFAULTS = dict(p_uncond=0.1, sigma_sampling="logit_normal", max_grad_norm=1.0,
+                      lr_schedule="constant", warmup_steps=0)
 SAMPLING_DEFAULTS = dict(height=None, width=None, num_frames=None, guidance_scale=None)
 
 
@@ -81,8 +90,29 @@ def read_dataset(path: str | Path) -> list[tuple[str, np.ndarray]]:
     return out
 
 
+@dataclass
+class Example:
+    """One training example, encoded once: its data latents and its conditions.
+
+    :ivar x0: ``(1, ...)`` float32, the VAE mean as the DiT sees latents (:meth:`encode_latents`).
+    :ivar cond: the condition for its prompt (text embeddings; for I2V the first frame's).
+    :ivar uncond: the same with the empty prompt (the image condition kept), or None when the
+        prompt is never dropped (``p_uncond = 0``).
+    :ivar params: the sampling parameters it was encoded with (rows of one forward share them).
+    """
+
+    x0: torch.Tensor
+    cond: Conditioning
+    uncond: Conditioning | None
+    params: DiffusionParams
+
+
 class Finetune:
     """Flow-matching fine-tuning of a model's DiT. ``Finetune(config, dataset=...).run()``.
+
+    Every example is encoded once (VAE latents, prompt embeddings and, for image-to-video, the
+    image condition and image embeddings) before the first step and kept in memory; each step is
+    then one batched forward and backward of the DiT over ``batch_size`` examples.
 
     :param dataset: ``[(prompt, frames (F, H, W, 3) in [0, 1])]``; else ``config["data"]`` is read.
     """
@@ -96,6 +126,9 @@ class Finetune:
         if self.train_cfg["sigma_sampling"] not in ("logit_normal", "uniform"):
             raise FlowseamError(f"sigma_sampling={self.train_cfg['sigma_sampling']!r}; allowed: "
                                 "'logit_normal', 'uniform'")
+        if self.train_cfg["lr_schedule"] not in ("constant", "cosine"):
+            raise FlowseamError(f"lr_schedule={self.train_cfg['lr_schedule']!r}; allowed: "
+                                "'constant', 'cosine'")
         self.sampling = section(cfg, "sampling", SAMPLING_DEFAULTS)
         if model is None:
             if not cfg["model"]:
@@ -105,53 +138,146 @@ class Finetune:
         self.dataset = list(dataset) if dataset is not None else read_dataset(cfg["data"] or "")
         if cfg["batch_size"] < 1:
             raise FlowseamError(f"batch_size={cfg['batch_size']} must be >= 1")
-        self.stage = Stage.create("dit", model, section(cfg, "optim", OPTIM_DEFAULTS),
-                                  section(cfg, "lora", LORA_DEFAULTS), with_reference=False)
+        self.optim = section(cfg, "optim", OPTIM_DEFAULTS)
+        self.stage = Stage.create("dit", model, self.optim, section(cfg, "lora", LORA_DEFAULTS),
+                                  with_reference=False)
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"])
         self.step = 0
         self.progress = True
+        self.examples: list[Example] | None = None  # filled by prepare()
 
+    # -- encoding, once per example --------------------------------------------------------------
     def _params(self, frames: np.ndarray) -> DiffusionParams:
         F, H, W, _ = frames.shape
-        s = self.sampling
+        s, t2i = self.sampling, self.model.card.task is TaskType.T2I
+        # Flux's guidance is an input embedding (kept); Wan trains the plain conditional velocity.
         return DiffusionParams(num_steps=1, height=s["height"] or H, width=s["width"] or W,
-                               num_frames=None if self.model.card.task is TaskType.T2I else (s["num_frames"] or F),
-                               guidance_scale=s["guidance_scale"])
+                               num_frames=None if t2i else (s["num_frames"] or F),
+                               guidance_scale=s["guidance_scale"] if t2i else 1.0)
+
+    def _request(self, prompt: str, frames: np.ndarray) -> GenerationRequest:
+        image = frames[0] if TaskType.I2V in self.model.card.tasks else None
+        return GenerationRequest(prompt, self.model.card.task, self._params(frames), image=image,
+                                 seeds=[0])
+
+    def _conditions(self, prompt: str, frames: np.ndarray, with_uncond: bool
+                    ) -> tuple[Conditioning, Conditioning | None, DiffusionParams]:
+        model = self.model
+        request = self._request(prompt, frames)
+        params = model.check(request)
+        cond = model.condition(request, params)
+        uncond = None
+        if with_uncond:
+            blank = self._request("", frames)
+            uncond = model.condition(blank, model.check(blank))
+        return cond, uncond, params
+
+    def encode_example(self, prompt: str, frames: np.ndarray, with_uncond: bool = True) -> Example:
+        """Encode one ``(prompt, frames (F, H, W, 3))`` example (uncached)."""
+        cond, uncond, params = self._conditions(prompt, frames, with_uncond)
+        return Example(self.model.encode_latents(frames[None], params), cond, uncond, params)
+
+    def prepare(self, chunk: int = 64) -> list[Example]:
+        """Encode every dataset example once (idempotent): conditions one example at a time
+        (text embeddings are cached per prompt), VAE latents in batches of ``chunk`` examples
+        of the same shape."""
+        if self.examples is not None:
+            return self.examples
+        with_uncond = self.train_cfg["p_uncond"] > 0
+        items = range(len(self.dataset))
+        if self.progress:
+            from tqdm.auto import tqdm
+            items = tqdm(items, desc="finetune: encode data", unit="example", leave=False)
+        encoded = [self._conditions(p, f, with_uncond) for p, f in (self.dataset[i] for i in items)]
+        x0: list[torch.Tensor | None] = [None] * len(self.dataset)
+        by_shape: dict[tuple, list[int]] = {}
+        for i, (_, frames) in enumerate(self.dataset):
+            by_shape.setdefault((frames.shape, encoded[i][2]), []).append(i)
+        for (_, params), idx in by_shape.items():
+            for start in range(0, len(idx), chunk):
+                part = idx[start:start + chunk]
+                latents = self.model.encode_latents(np.stack([self.dataset[i][1] for i in part]), params)
+                for i, row in zip(part, latents.split(1)):
+                    x0[i] = row
+        self.examples = [Example(x0[i], *encoded[i][:2], encoded[i][2]) for i in range(len(self.dataset))]
+        return self.examples
+
+    # -- the loss --------------------------------------------------------------------------------
+    def batch_loss(self, examples: Sequence[Example], seeds: Sequence[int]) -> torch.Tensor:
+        """The flow-matching loss of a batch of examples sharing their params (scalar, mean over
+        every latent element, differentiable in the policy), in one forward of the DiT.
+
+        Row ``b`` takes its prompt dropout, noise ``ε`` (standard normal, in the latents' layout)
+        and ``σ`` from ``seeds[b]`` alone, so a row's loss does not depend on its batch.
+
+        :raises ValueError: if the examples do not share their params.
+        """
+        model = self.model
+        params = examples[0].params
+        if any(e.params != params for e in examples):
+            raise ValueError("a batch's examples must share their sampling params (one forward)")
+        conds, noise, sigmas = [], [], []
+        for e, seed in zip(examples, seeds):
+            drop = random.Random(seed).random() < self.train_cfg["p_uncond"]
+            if drop and e.uncond is None:
+                raise ValueError("this example was encoded without its unconditional condition")
+            conds.append(e.uncond if drop else e.cond)
+            noise.append(torch.randn(e.x0.shape, generator=torch.Generator().manual_seed(seed)))
+            g = torch.Generator().manual_seed(seed + 1)
+            sigmas.append(torch.sigmoid(torch.randn(1, generator=g))
+                          if self.train_cfg["sigma_sampling"] == "logit_normal" else torch.rand(1, generator=g))
+        x0 = torch.cat([e.x0 for e in examples])
+        eps = torch.cat(noise).to(x0.device, x0.dtype)
+        sigma = torch.cat(sigmas).to(x0.device)
+        s = sigma.view(-1, *([1] * (x0.ndim - 1)))
+        x_t = (1.0 - s) * x0 + s * eps
+        v = model.velocity(x_t, sigma * 1000.0, model.stack_conditions(conds), params,
+                           dit=self.stage.policy)
+        return torch.nn.functional.mse_loss(v.float(), (eps - x0).float())
 
     def loss(self, prompt: str, frames: np.ndarray, seed: int) -> torch.Tensor:
-        """The flow-matching loss of one example (scalar, differentiable in the policy)."""
-        model, rng = self.model, random.Random(seed)
-        if rng.random() < self.train_cfg["p_uncond"]:
-            prompt = ""
-        image = frames[0] if TaskType.I2V in model.card.tasks else None
-        request = GenerationRequest(prompt, model.card.task, self._params(frames), image=image, seeds=[seed])
-        params = model.check(request)
-        cond = model.encode(request, params)
-        noise = model.prepare_latents(request, params, [torch.Generator().manual_seed(seed)], cond)
-        x0 = model.encode_latents(frames[None], params)
-        g = torch.Generator().manual_seed(seed + 1)
-        if self.train_cfg["sigma_sampling"] == "logit_normal":
-            sigma = torch.sigmoid(torch.randn(1, generator=g))
-        else:
-            sigma = torch.rand(1, generator=g)
-        s = sigma.view(-1, *([1] * (x0.ndim - 1))).to(x0.device)
-        x_t = (1.0 - s) * x0 + s * noise.to(x0.dtype)
-        v = model.velocity(x_t, (sigma * 1000.0).to(x0.device), cond, params.replace(guidance_scale=params.guidance_scale
-                           if model.card.task is TaskType.T2I else 1.0), dit=self.stage.policy)
-        return torch.nn.functional.mse_loss(v.float(), (noise.to(x0.dtype) - x0).float())
+        """The flow-matching loss of one example (scalar, differentiable in the policy); equal to
+        its row of :meth:`batch_loss` with the same seed."""
+        drop = random.Random(seed).random() < self.train_cfg["p_uncond"]
+        example = self.encode_example(prompt, frames, with_uncond=drop)
+        if drop:
+            example.cond = example.uncond
+        return self.batch_loss([example], [seed])
+
+    # -- one step ----------------------------------------------------------------------------------
+    def learning_rate(self, step: int) -> float:
+        """The learning rate of step ``step`` (0-based): constant, or a linear warm-up over
+        ``warmup_steps`` then a cosine decay to 0 at ``steps`` (depends on the step alone, so a
+        resumed run continues the same schedule)."""
+        lr, t = self.optim["lr"], self.train_cfg
+        if t["lr_schedule"] == "constant":
+            return lr
+        if step < t["warmup_steps"]:
+            return lr * (step + 1) / t["warmup_steps"]
+        span = max(1, self.config["steps"] - t["warmup_steps"])
+        return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - t["warmup_steps"]) / span)))
 
     def train_step(self) -> dict[str, Any]:
         timer = Timer()
         cfg = self.config
+        with timer("encode"):
+            examples = self.prepare()
         order = random.Random(derive_seed(cfg["seed"], self.step)).sample(
-            range(len(self.dataset)), k=min(cfg["batch_size"], len(self.dataset)))
+            range(len(examples)), k=min(cfg["batch_size"], len(examples)))
+        seeds = [derive_seed(cfg["seed"], self.step, i) for i in range(len(order))]
+        groups: dict[DiffusionParams, list[int]] = {}
+        for i, idx in enumerate(order):
+            groups.setdefault(examples[idx].params, []).append(i)
+        lr = self.learning_rate(self.step)
+        for group in self.stage.optimizer.param_groups:
+            group["lr"] = lr
         with timer("update"):
             self.stage.optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            for i, idx in enumerate(order):
-                prompt, frames = self.dataset[idx]
-                loss = self.loss(prompt, frames, derive_seed(cfg["seed"], self.step, i)) / len(order)
+            for rows in groups.values():
+                loss = self.batch_loss([examples[order[i]] for i in rows], [seeds[i] for i in rows])
+                loss = loss * (len(rows) / len(order))
                 loss.backward()
                 total += float(loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -160,7 +286,7 @@ class Finetune:
         with timer("sync"):
             self.stage.sync.sync()
         self.step += 1
-        record = {"step": self.step, "loss": total, "grad_norm": float(grad_norm),
+        record = {"step": self.step, "loss": total, "grad_norm": float(grad_norm), "lr": lr,
                   "weights_version": self.stage.sync.version,
                   **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
         self.files.write(record)
@@ -171,6 +297,7 @@ class Finetune:
         """Train for ``steps`` steps; with an ``output_dir``, save the trained checkpoint to
         ``output_dir/model`` (diffusers format, atomically)."""
         self.progress = progress
+        self.prepare()
         records = run_training(self, [self.stage], "finetune", "loss")
         saved = self.save(self.files.output_dir / "model") if self.files.output_dir else None
         return {"steps": self.step, "records": records, "model": str(saved) if saved else None}

@@ -73,9 +73,10 @@ def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tens
     safe = torch.where(valid[:, None], rewards, torch.zeros_like(rewards))
     mean = safe.mean(dim=1, keepdim=True)
     std = safe.std(dim=1, unbiased=False, keepdim=True)
-    adv = ((safe - mean) / (std + cfg.eps)).clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
-    adv = torch.where(valid[:, None], adv, torch.zeros_like(adv)).float()
     zero_std = (std.squeeze(1) < 1e-12) & valid
+    adv = ((safe - mean) / (std + cfg.eps)).clamp(-cfg.adv_clip_max, cfg.adv_clip_max)
+    keep = valid & ~zero_std
+    adv = torch.where(keep[:, None], adv, torch.zeros_like(adv)).float()
     v = adv[valid]
     stats = {
         "groups_skipped_nan": int((~valid).sum()),
@@ -131,6 +132,14 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
     Per inner epoch: gradients accumulate over every trajectory and every selected step (loss
     normalised by their count), then one clipped optimizer step, then ``after_step()`` (a
     WeightSyncPlan's sync). On the first epoch no weight has changed yet, so every ratio is 1.
+    Trajectories whose advantages are all zero are dropped; with none left nothing is updated.
+
+    :param trajectories: rollouts with ``sde_rollout=True`` (every record has a log-prob).
+    :param seed: picks the trained steps (``timestep_fraction``) reproducibly.
+    :returns: the ratios (per epoch), clip fractions, approximate KL, KL to the reference and
+        gradient norms (before clipping).
+    :raises KernelPinError: if a record's kernel is not available on the model's platform.
+    :raises ValueError: for a record without a log-prob (an ODE rollout).
     """
     stats = UpdateStats()
     trainable = [p for p in policy.parameters() if p.requires_grad]

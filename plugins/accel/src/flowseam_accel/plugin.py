@@ -14,6 +14,7 @@ from flowseam import (
     Availability,
     BackendInfo,
     ComponentSpec,
+    ConformanceExpectations,
     KernelRegistration,
     hookimpl,
     ops,
@@ -58,10 +59,18 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
 
 @hookimpl
 def flowseam_component_kinds() -> tuple[str, ...]:
-    # No "text_encoder" on purpose: it falls back to cpu, visibly in platform.explain(). (accel
-    # implements no flowseam_conformance_expectations: the suite's defaults, derived from these
-    # kinds, are exactly its promise: dit and vae built here, every other kind falling back.)
+    # No "text_encoder" on purpose: it falls back to cpu, visibly in platform.explain().
     return tuple(components.BUILDERS)
+
+
+@hookimpl
+def flowseam_conformance_expectations() -> ConformanceExpectations:
+    """accel's promise, stated independently of its declarations so that the conformance suite
+    catches a change to either: dit and vae are built here, text encoders (and the other kinds)
+    fall back to cpu."""
+    return ConformanceExpectations(overrides=("dit", "vae"),
+                                   falls_back=("text_encoder", "tokenizer", "image_encoder",
+                                               "image_processor"))
 
 
 @hookimpl
