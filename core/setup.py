@@ -48,7 +48,7 @@ setup(
         "accel": [_plugin("accel", "flowseam-accel")],
         "lora": ["peft>=0.13"],
         "test": ["pytest>=8", "peft>=0.13"],
-        # `flowseam demo`: the digits data and classifier (scikit-learn), the reward plot
-        "demo": ["scikit-learn>=1.3", "matplotlib>=3.7"],
+        # `flowseam demo`: the digits data and classifier (scikit-learn), the reward plot, LoRA
+        "demo": ["scikit-learn>=1.3", "matplotlib>=3.7", "peft>=0.13"],
     },
 )

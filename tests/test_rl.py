@@ -85,6 +85,37 @@ def test_sde_rollout_gives_each_group_member_its_own_noise(ckpts, cpu):
     assert np.abs(solo.frames[0] - f[1]).max() <= 1e-5
 
 
+def test_sde_window_makes_only_those_steps_stochastic_and_trains_on_them(ckpts, cpu):
+    model = flowseam.load(ckpts["flux.1-t2i"], platform=cpu)
+    params = DiffusionParams(sde_rollout=True, sde_window=(1, 3), **SAMPLING)
+    req = GenerationRequest(["a ball"] * 2, TaskType.T2I, params, seeds=[1, 2])
+    res = flowseam.run_loop(model, req, ExecutionProfile.ROLLOUT)
+    ode = cpu.kernels.get(flowseam.ops.FLOW_MATCH_STEP)
+    sde = cpu.kernels.get(flowseam.ops.FLOW_SDE_STEP)
+    assert [r.log_prob is not None for r in res.records] == [False, True, True, False]
+    assert [r.impl_id for r in res.records] == [ode.impl_id, sde.impl_id, sde.impl_id, ode.impl_id]
+    # outside the window the step is the plain Euler step x + (sigma_next - sigma) * v
+    first = res.records[0]
+    v = model.velocity(first.latents, first.timestep, res.cond, res.params)
+    assert torch.allclose(first.next_latents,
+                          first.latents + (first.sigma_next - first.sigma) * v, atol=1e-6)
+    # a window on the ODE path changes nothing: serve stays bit-identical
+    plain = flowseam.run_loop(model, GenerationRequest(["a ball"] * 2, TaskType.T2I,
+                                                       params.replace(sde_rollout=False), seeds=[1, 2]))
+    ode_only = flowseam.run_loop(model, GenerationRequest(["a ball"] * 2, TaskType.T2I,
+                                                          DiffusionParams(**SAMPLING), seeds=[1, 2]))
+    assert np.array_equal(plain.frames, ode_only.frames)
+    # flowgrpo trains on the window's steps only, with ratio 1 on the first epoch
+    g = _grpo(ckpts, cpu, sampling=dict(SAMPLING, sde_window=[0, 2]))
+    g.train_step()
+    first_ratios = torch.cat(g.last_stats.first_epoch_ratios)
+    assert first_ratios.numel() == 3 * 2 and (first_ratios - 1).abs().max() <= 1e-6
+    for bad in ((2, 2), (4, 5), (-1, 1), (0,)):
+        with pytest.raises(ValueError, match="sde_window"):
+            flowseam.run_loop(model, GenerationRequest("a ball", TaskType.T2I,
+                                                       params.replace(sde_window=bad)))
+
+
 def test_flowgrpo_first_inner_epoch_ratio_is_one(ckpts, cpu):
     g = _grpo(ckpts, cpu, grpo=dict(beta=0.04, clip_range=0.2, inner_epochs=2))
     for _ in range(2):
@@ -231,9 +262,14 @@ def test_workflow_rl_trains_both_stages_from_the_video_reward(ckpts, cpu):
     wf = WorkflowRL(dict(prompts=["a ball"], reward="brightness", group_size=2, steps=1, seed=0,
                          t2i_sampling=dict(num_steps=3, height=32, width=32, max_sequence_length=16),
                          i2v_sampling=dict(num_steps=3, height=32, width=32, num_frames=5),
-                         grpo=dict(beta=0.04, clip_range=0.2), optim=dict(lr=1e-3)),
+                         grpo=dict(beta=0.04, clip_range=0.2), optim=dict(lr=1e-3, weight_decay=0.0),
+                         t2i_optim=dict(lr=2e-4)),
                     t2i=flowseam.load(ckpts["flux.1-t2i"], platform=cpu),
                     i2v=flowseam.load(ckpts["wan2.1-i2v"], platform=flowseam.Platform("cpu")))
+    # [t2i_optim] overrides [optim] for that stage only
+    (t2i_group,), (i2v_group,) = (s.optimizer.param_groups for s in wf.stages)
+    assert (t2i_group["lr"], t2i_group["weight_decay"]) == (2e-4, 0.0)
+    assert (i2v_group["lr"], i2v_group["weight_decay"]) == (1e-3, 0.0)
     t2i_before, i2v_before = _params(wf.t2i.dit), _params(wf.i2v.dit)
     rec = wf.train_step()
     for name in ("t2i", "i2v"):

@@ -44,33 +44,42 @@ def cmd_backends(args: argparse.Namespace) -> int:
                 r.pop("traceback", None)
         print(json.dumps(rows, indent=2))
     else:
-        cols = [("name", lambda r: r["name"]), ("distribution", lambda r: r["distribution"]),
-                ("version", lambda r: r["version"]), ("status", lambda r: r["status"]),
-                ("device", lambda r: r["device"] or "-"),
-                ("ops", lambda r: ", ".join(r["ops"]) or "-"),
-                ("components", lambda r: ", ".join(r["components"]) or "-"),
-                ("methods", lambda r: ", ".join(r["methods"] + r["rewards"]) or "-")]
-        cells = [[get(r) for _, get in cols] for r in rows]
-        widths = [max([len(name)] + [len(c[i]) for c in cells]) + 2 for i, (name, _) in enumerate(cols)]
-        header = "".join(f"{name:<{w}}" for (name, _), w in zip(cols, widths)).rstrip()
-        print(header)
-        print("-" * len(header))
-        for r, row in zip(rows, cells):
-            print("".join(f"{c:<{w}}" for c, w in zip(row, widths)).rstrip())
-            if r["reason"]:
-                print(f"  reason: {r['reason']}")
-            if args.verbose and r.get("traceback"):
-                print("\n".join(f"    {line}" for line in r["traceback"].splitlines()))
-        if not rows:
-            print("(no flowseam plugins installed: pip install flowseam-cpu)")
-        if explain:
-            print()
-            print(explain)
+        print_backend_table(rows, explain, verbose=args.verbose)
     if args.strict and broken:
         names = ", ".join(r["name"] for r in broken)
         print(f"flowseam: broken plugin(s): {names} (--strict)", file=sys.stderr)
         return 1
     return 0
+
+
+def print_backend_table(rows: list[dict] | None = None, explain: str | None = None,
+                        verbose: bool = False) -> None:
+    """Print what ``flowseam backends`` prints: every plugin with its status, then how the
+    platform resolved every op and component. ``rows``/``explain`` default to a discovery."""
+    if rows is None:
+        rows, explain = _backend_rows(strict=False)
+    cols = [("name", lambda r: r["name"]), ("distribution", lambda r: r["distribution"]),
+            ("version", lambda r: r["version"]), ("status", lambda r: r["status"]),
+            ("device", lambda r: r["device"] or "-"),
+            ("ops", lambda r: ", ".join(r["ops"]) or "-"),
+            ("components", lambda r: ", ".join(r["components"]) or "-"),
+            ("methods", lambda r: ", ".join(r["methods"] + r["rewards"]) or "-")]
+    cells = [[get(r) for _, get in cols] for r in rows]
+    widths = [max([len(name)] + [len(c[i]) for c in cells]) + 2 for i, (name, _) in enumerate(cols)]
+    header = "".join(f"{name:<{w}}" for (name, _), w in zip(cols, widths)).rstrip()
+    print(header)
+    print("-" * len(header))
+    for r, row in zip(rows, cells):
+        print("".join(f"{c:<{w}}" for c, w in zip(row, widths)).rstrip())
+        if r["reason"]:
+            print(f"  reason: {r['reason']}")
+        if verbose and r.get("traceback"):
+            print("\n".join(f"    {line}" for line in r["traceback"].splitlines()))
+    if not rows:
+        print("(no flowseam plugins installed: pip install flowseam-cpu)")
+    if explain:
+        print()
+        print(explain)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -157,6 +166,44 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on real handwritten digits (see flowseam.demo.run)."""
+    import importlib.util
+    from pathlib import Path
+
+    from .demo.run import PROMPTS, DemoOptions, run_demo
+
+    missing = [m for m in ("sklearn", "matplotlib", "peft") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FlowseamError(f"flowseam demo needs {', '.join(missing)}: "
+                            "pip install 'flowseam[demo]'")
+    limits = {"steps": (0, None), "prompts": (1, len(PROMPTS)), "group_size": (2, None),
+              "eval_seeds": (1, None), "fps": (1, None), "threads": (1, None)}
+    for name, (low, high) in limits.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if value < low or (high is not None and value > high):
+            allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be {allowed}")
+    output = Path(args.output)
+    try:  # fail now, not after minutes of work, if the outputs cannot be written
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".flowseam-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise FlowseamError(f"--output={args.output!r} is not a writable directory: {exc}") from exc
+    run_demo(DemoOptions(
+        backend=args.backend, steps=args.steps, prompts=args.prompts, group_size=args.group_size,
+        eval_seeds=args.eval_seeds, output=output,
+        cache=Path(args.cache) if args.cache else None,
+        recipes=Path(args.recipes) if args.recipes else None, build_only=args.build_only,
+        rebuild=args.rebuild, quick=args.quick, no_shipped=args.no_shipped, threads=args.threads,
+        fps=args.fps))
+    return 0
+
+
 def _quiet_libraries() -> None:
     """Keep the console to flowseam's own progress bar and summary: diffusers' and transformers'
     info logs and weight-loading bars are silenced (warnings and errors still show)."""
@@ -205,6 +252,33 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a top-level config key (value parsed as JSON when it can be)")
     t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("demo", help="the main job on real handwritten digits: build or load the "
+                                    "demo models, run the text-to-image → image-to-video "
+                                    "workflow, post-train it with workflow_rl")
+    d.add_argument("--backend", help="backend name (default: cpu; accel first compiles every model "
+                                     "with torch.compile, which takes minutes on 2 cores)")
+    d.add_argument("--steps", type=int, default=20, help="workflow_rl steps (default 20)")
+    d.add_argument("--prompts", type=int, default=4,
+                   help="how many of the demo's 10 prompts (default 4)")
+    d.add_argument("--group-size", type=int, default=8,
+                   help="samples per prompt in RL (default 8)")
+    d.add_argument("--eval-seeds", type=int, default=8,
+                   help="held-out seeds per prompt for the before/after reward (default 8)")
+    d.add_argument("--output", default="outputs/demo",
+                   help="where outputs go (default outputs/demo)")
+    d.add_argument("--cache", help="where built models go (default $FLOWSEAM_DEMO_CACHE or "
+                                   "outputs/models)")
+    d.add_argument("--recipes", help="recipe directory (default: the checkout's recipes/)")
+    d.add_argument("--build-only", action="store_true", help="build or find the models, then stop")
+    d.add_argument("--rebuild", action="store_true", help="build even if a matching model exists")
+    d.add_argument("--no-shipped", action="store_true",
+                   help="ignore the weights shipped in the package (build into the cache)")
+    d.add_argument("--quick", action="store_true",
+                   help="build tiny throwaway models in seconds (smoke tests; not a usable demo)")
+    d.add_argument("--threads", type=int, help="torch CPU threads (default: half the cores)")
+    d.add_argument("--fps", type=int, default=4, help="frames per second of the written videos")
+    d.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -67,7 +67,8 @@ class LoopResult:
     :ivar records: the BehaviorRecords (ROLLOUT only).
     :ivar cond: the conditioning used (text embeddings etc.), for recomputing velocities.
     :ivar seconds: wall time per stage (``encode``, ``denoise``, ``decode``, ``total``).
-    :ivar kernels: op → impl_id of the kernels the loop used.
+    :ivar kernels: op → impl_id of the step kernel the loop used (outside an ``sde_window`` the
+        steps are ``flow_match_step``; each BehaviorRecord names its own kernel).
     """
 
     frames: np.ndarray
@@ -107,6 +108,8 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
     # 4. Denoise: the solver is whatever the platform resolved for this op.
     op = ops.FLOW_SDE_STEP if params.sde_rollout else ops.FLOW_MATCH_STEP
     step = model.platform.kernels.get(op)
+    ode_step = model.platform.kernels.get(ops.FLOW_MATCH_STEP)
+    window = range(*params.sde_window) if params.sde_window is not None else None
     capture = profile is ExecutionProfile.ROLLOUT
     sigma_max = sigmas[1] if len(sigmas) > 2 else None
     records: list[BehaviorRecord] = []
@@ -119,16 +122,18 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
             sigma, sigma_next = sigmas[i], sigmas[i + 1]
             t = timesteps[i].expand(latents.shape[0])
             velocity = model.velocity(latents, t, cond, params)
-            if params.sde_rollout:
+            used = step
+            if params.sde_rollout and (window is None or i in window):
                 noise = _sde_noise(latents, generators)
                 out = step(latents, velocity, sigma, sigma_next, noise=noise,
                            noise_level=params.noise_level, sigma_max=sigma_max)
                 next_latents, log_prob = out.sample, out.log_prob
-            else:
-                next_latents, log_prob = step(latents, velocity, sigma, sigma_next), None
+            else:  # the ODE step (outside the SDE window, the step kernel is the ODE one)
+                used = ode_step if params.sde_rollout else step
+                next_latents, log_prob = used(latents, velocity, sigma, sigma_next), None
             if capture:
                 records.append(BehaviorRecord(i, latents, next_latents, t, sigma, sigma_next,
-                                              sigma_max, log_prob, step.impl_id))
+                                              sigma_max, log_prob, used.impl_id))
             latents = next_latents
     t_denoised = time.perf_counter()
 

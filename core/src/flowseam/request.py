@@ -36,6 +36,11 @@ class DiffusionParams:
     :param negative_prompt: the CFG negative prompt (Wan).
     :param sde_rollout: use Flow-GRPO's SDE step (``flow_sde_step``) instead of the ODE step.
     :param noise_level: the SDE step's noise level (Flow-GRPO's ``a``, default 0.7).
+    :param sde_window: with ``sde_rollout``, only the steps ``start <= i < end`` (0-based step
+        indices) are SDE steps with a log-prob; the others are ODE steps. None: every step.
+        Training on a window of one or two early steps is Flow-GRPO-Fast (the Flow-GRPO
+        repository) and MixGRPO (Li et al. 2025): the reward's spread then comes from the noise
+        of those steps only, so the policy gradient is far less noisy per sample.
     :param max_sequence_length: text tokens kept by the text encoder.
     """
 
@@ -49,7 +54,12 @@ class DiffusionParams:
     negative_prompt: str | None = None
     sde_rollout: bool = False
     noise_level: float = 0.7
+    sde_window: tuple[int, int] | None = None
     max_sequence_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sde_window, list):  # TOML/YAML give a list; keep the params hashable
+            object.__setattr__(self, "sde_window", tuple(self.sde_window))
 
     def with_defaults(self, defaults: dict[str, Any]) -> "DiffusionParams":
         """A copy with every ``None`` field filled from ``defaults`` (a card's)."""
@@ -111,6 +121,14 @@ def check_common(params: DiffusionParams, request: GenerationRequest | None = No
             raise ValueError(f"{name}={value!r} must be a positive number of pixels")
     if params.noise_level < 0:
         raise ValueError(f"noise_level={params.noise_level!r} must be >= 0")
+    if params.sde_window is not None:
+        window = params.sde_window
+        ok = (isinstance(window, (tuple, list)) and len(window) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in window)
+              and 0 <= window[0] < window[1])
+        if not ok or window[0] >= params.num_steps:
+            raise ValueError(f"sde_window={window!r} must be [start, end) step indices with "
+                             f"0 <= start < end and start < num_steps={params.num_steps}")
 
 
 def check_multiple(name: str, value: int, multiple: int, why: str) -> None:

@@ -75,10 +75,11 @@ class DigitImageReward:
     """Probability the classifier gives the prompted digit, averaged over frames: ``(B,)``.
     NaN for a prompt that names no digit.
 
-    :param digit_px: how tall the digit is in the frames (32 for T2I images, 16 for videos).
+    :param digit_px: how tall the digit is in the frames (16 in the demo's images and videos;
+        32 for a digit filling a 32 px image).
     """
 
-    def __init__(self, digit_px: int = 32) -> None:
+    def __init__(self, digit_px: int = 16) -> None:
         self.digit_px = digit_px
 
     def __call__(self, prompts, outputs) -> torch.Tensor:

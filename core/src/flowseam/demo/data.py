@@ -3,9 +3,11 @@
 scikit-learn's ``load_digits`` (1,797 real 8x8 scans, 16 gray levels) is split once, with a fixed
 seed, into a *generator* split (the T2I and I2V models train on it) and a *held-out* split (only
 the reward's classifier sees it). T2I examples: ``"a handwritten digit seven"`` → the scan
-upscaled to ``size x size`` (bilinear), white on black, RGB. I2V examples: ``"a handwritten digit
-seven moving left"`` → ``frames`` frames (4k+1) of the digit, drawn at ``digit_size`` on a black
-canvas, sliding ``step`` pixels per frame in the named direction.
+upscaled to ``size x size`` (bilinear), white on black, RGB, or drawn ``digit_size`` px tall at the
+centre of the canvas (the demo's choice: then a T2I image is exactly an I2V first frame). I2V
+examples: ``"a handwritten digit seven moving left"`` → ``frames`` frames (4k+1) of the digit,
+drawn at ``digit_size`` on a black canvas, sliding ``step`` pixels per frame in the named
+direction.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def to_rgb(gray: np.ndarray) -> np.ndarray:
     return np.repeat(gray[..., None], 3, axis=-1)
 
 
-def t2i_example(image8: np.ndarray, size: int = 32) -> np.ndarray:
-    """``(1, size, size, 3)`` float32: the digit filling the frame."""
+def t2i_example(image8: np.ndarray, size: int = 32, digit_size: int | None = None) -> np.ndarray:
+    """``(1, size, size, 3)`` float32: the digit filling the frame, or drawn ``digit_size`` px
+    tall at the centre of a black canvas (exactly the first frame of :func:`moving_clip`)."""
+    if digit_size is not None:
+        return moving_clip(image8, "left", frames=1, size=size, digit_size=digit_size)
     return to_rgb(upscale(image8, size))[None]
 
 
@@ -96,11 +101,27 @@ def moving_clip(image8: np.ndarray, direction: str, frames: int = 9, size: int =
     return to_rgb(out)
 
 
-def t2i_dataset(size: int = 32, limit: int | None = None) -> list[tuple[str, np.ndarray]]:
-    """(prompt, image (1, size, size, 3)) pairs from the generator split."""
+def t2i_dataset(size: int = 32, limit: int | None = None, digit_size: int | None = None,
+                workflow_prompts: bool = False, seed: int = 0) -> list[tuple[str, np.ndarray]]:
+    """(prompt, image (1, size, size, 3)) pairs from the generator split (see
+    :func:`t2i_example` for ``digit_size``).
+
+    :param workflow_prompts: also pair every scan with a workflow prompt naming a motion
+        (``"a handwritten digit seven moving left"``, a random direction each, fixed ``seed``), so
+        that the first stage of the ``t2i-i2v`` workflow, which is given the video's prompt, draws
+        the same digit (the image does not depend on the direction). Doubles the examples.
+    """
     gen, _ = splits()
+    rng = np.random.RandomState(seed)
+    names = sorted(DIRECTIONS)
     n = len(gen.labels) if limit is None else min(limit, len(gen.labels))
-    return [(t2i_prompt(int(gen.labels[i])), t2i_example(gen.images[i], size)) for i in range(n)]
+    out = []
+    for i in range(n):
+        digit, image = int(gen.labels[i]), t2i_example(gen.images[i], size, digit_size)
+        out.append((t2i_prompt(digit), image))
+        if workflow_prompts:
+            out.append((i2v_prompt(digit, names[rng.randint(len(names))]), image))
+    return out
 
 
 def i2v_dataset(frames: int = 9, size: int = 32, digit_size: int = 16, limit: int | None = None,

@@ -21,7 +21,8 @@ Config::
     seed = 0
     output_dir = "runs/ft"        # metrics.jsonl, checkpoints/, and model/ (the trained checkpoint)
     checkpoint_every = 0
-    [sampling] height, width, num_frames, guidance_scale (the guidance value Flux's embedding sees)
+    [sampling] height, width, num_frames, guidance_scale (the guidance value Flux's embedding sees),
+               max_sequence_length (text tokens; sample with the same value)
     [train]    p_uncond = 0.1, sigma_sampling = "logit_normal" | "uniform", max_grad_norm = 1.0,
                lr_schedule = "constant" | "cosine" (linear warm-up, then cosine to 0), warmup_steps = 0
     [optim]    lr, weight_decay, beta1, beta2, adam_eps
@@ -53,7 +54,8 @@ TOP_DEFAULTS = dict(model=None, backend=None, data=None, steps=100, batch_size=4
                     output_dir=None, checkpoint_every=0, sampling={}, train={}, optim={}, lora={})
 TRAIN_DEFAULTS = dict(p_uncond=0.1, sigma_sampling="logit_normal", max_grad_norm=1.0,
                       lr_schedule="constant", warmup_steps=0)
-SAMPLING_DEFAULTS = dict(height=None, width=None, num_frames=None, guidance_scale=None)
+SAMPLING_DEFAULTS = dict(height=None, width=None, num_frames=None, guidance_scale=None,
+                         max_sequence_length=None)
 
 
 def read_dataset(path: str | Path) -> list[tuple[str, np.ndarray]]:
@@ -154,7 +156,8 @@ class Finetune:
         # Flux's guidance is an input embedding (kept); Wan trains the plain conditional velocity.
         return DiffusionParams(num_steps=1, height=s["height"] or H, width=s["width"] or W,
                                num_frames=None if t2i else (s["num_frames"] or F),
-                               guidance_scale=s["guidance_scale"] if t2i else 1.0)
+                               guidance_scale=s["guidance_scale"] if t2i else 1.0,
+                               max_sequence_length=s["max_sequence_length"])
 
     def _request(self, prompt: str, frames: np.ndarray) -> GenerationRequest:
         image = frames[0] if TaskType.I2V in self.model.card.tasks else None
@@ -279,7 +282,7 @@ class Finetune:
                 loss = self.batch_loss([examples[order[i]] for i in rows], [seeds[i] for i in rows])
                 loss = loss * (len(rows) / len(order))
                 loss.backward()
-                total += float(loss)
+                total += float(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.stage.policy.parameters() if p.requires_grad], self.train_cfg["max_grad_norm"])
             self.stage.optimizer.step()

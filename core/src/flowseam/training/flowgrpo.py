@@ -19,7 +19,8 @@ Config (TOML/YAML or dict)::
     output_dir = "runs/grpo"           # metrics.jsonl and checkpoints/ (optional)
     checkpoint_every = 10              # 0: never
     [sampling]  num_steps, height, width, num_frames, guidance_scale, noise_level, flow_shift,
-                negative_prompt, max_sequence_length
+                negative_prompt, max_sequence_length, sde_window = [start, end] (SDE only on
+                those steps, ODE elsewhere; trains on them: Flow-GRPO-Fast)
     [grpo]      clip_range, adv_clip_max, beta, inner_epochs, timestep_fraction, max_grad_norm, eps
     [optim]     lr, weight_decay, beta1, beta2, adam_eps
     [lora]      rank (0 = full fine-tune), alpha, target_modules
@@ -58,7 +59,7 @@ TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness",
                     group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
                     checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={})
 SAMPLING_DEFAULTS = dict(num_steps=4, height=None, width=None, num_frames=None, guidance_scale=None,
-                         noise_level=0.7, flow_shift=None, negative_prompt=None,
+                         noise_level=0.7, sde_window=None, flow_shift=None, negative_prompt=None,
                          max_sequence_length=None)
 
 

@@ -37,7 +37,8 @@ class GRPOConfig:
     :param adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]``.
     :param beta: KL-to-reference coefficient (0 disables the reference).
     :param inner_epochs: PPO epochs over each batch of rollouts.
-    :param timestep_fraction: fraction of the denoising steps trained on (a random subset).
+    :param timestep_fraction: fraction of the SDE steps (all steps, or the rollout's
+        ``sde_window``) trained on (a random subset).
     :param max_grad_norm: gradient clipping.
     :param eps: added to the group std.
     """
@@ -134,12 +135,13 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
     WeightSyncPlan's sync). On the first epoch no weight has changed yet, so every ratio is 1.
     Trajectories whose advantages are all zero are dropped; with none left nothing is updated.
 
-    :param trajectories: rollouts with ``sde_rollout=True`` (every record has a log-prob).
-    :param seed: picks the trained steps (``timestep_fraction``) reproducibly.
+    :param trajectories: rollouts with ``sde_rollout=True``; the steps with a log-prob (every
+        step, or those of ``params.sde_window``) are the ones trained on.
+    :param seed: picks the trained steps (``timestep_fraction`` of the SDE steps) reproducibly.
     :returns: the ratios (per epoch), clip fractions, approximate KL, KL to the reference and
         gradient norms (before clipping).
     :raises KernelPinError: if a record's kernel is not available on the model's platform.
-    :raises ValueError: for a record without a log-prob (an ODE rollout).
+    :raises ValueError: for a rollout without any log-prob (an ODE rollout).
     """
     stats = UpdateStats()
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -148,7 +150,12 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
     trajectories = [t for t in trajectories if bool((t.advantages != 0).any())]
     if not trajectories:
         return stats
-    steps = train_timesteps(len(trajectories[0].result.records), cfg.timestep_fraction, seed)
+    # The steps with a log-prob: every step, or those of the rollout's SDE window.
+    stochastic = [j for j, rec in enumerate(trajectories[0].result.records) if rec.log_prob is not None]
+    if not stochastic:
+        raise ValueError("Flow-GRPO needs SDE rollouts (params.sde_rollout=True); no step of the "
+                         "rollout has a log-prob")
+    steps = [stochastic[k] for k in train_timesteps(len(stochastic), cfg.timestep_fraction, seed)]
     n_terms = len(trajectories) * len(steps)
     for epoch in range(cfg.inner_epochs):
         optimizer.zero_grad(set_to_none=True)

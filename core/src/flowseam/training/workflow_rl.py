@@ -19,8 +19,16 @@ Config::
     prompts = [...]; reward = "brightness"; reward_args = {}
     group_size = 4; prompts_per_step = 1; steps = 10; seed = 0
     output_dir = "runs/wf"; checkpoint_every = 0
-    [t2i_sampling] / [i2v_sampling]  num_steps, height, width, num_frames, guidance_scale, noise_level
+    [t2i_sampling] / [i2v_sampling]  num_steps, height, width, num_frames, guidance_scale,
+                                     noise_level, sde_window (as flowgrpo's [sampling])
     [grpo] [optim] [lora]            as for flowgrpo (shared by both stages)
+    [t2i_optim] / [i2v_optim]        per-stage overrides of [optim] (e.g. a smaller T2I lr: the
+                                     T2I stage gets its credit only through the video, so its
+                                     gradient estimate is the noisier of the two)
+
+A run resumed from a checkpoint continues with the optimizer state it saved, learning rates
+included (as ``torch.optim.Optimizer.load_state_dict`` restores them): change an lr by starting a
+new ``output_dir``.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from .rewards import score
 TOP_DEFAULTS = dict(t2i_model=None, i2v_model=None, t2i_backend=None, i2v_backend=None, prompts=None,
                     reward="brightness", reward_args={}, group_size=4, prompts_per_step=1, steps=10,
                     seed=0, output_dir=None, checkpoint_every=0, t2i_sampling={}, i2v_sampling={},
-                    grpo={}, optim={}, lora={})
+                    grpo={}, optim={}, t2i_optim={}, i2v_optim={}, lora={})
 
 
 def _load(path: str | None, backend: str | None, what: str) -> ModelInstance:
@@ -86,8 +94,9 @@ class WorkflowRL:
         self.i2v_sampling = section(cfg, "i2v_sampling", SAMPLING_DEFAULTS)
         self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
         optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
-        self.stages = [Stage.create("t2i", self.t2i, optim, lora, with_reference=self.grpo.beta > 0),
-                       Stage.create("i2v", self.i2v, optim, lora, with_reference=self.grpo.beta > 0)]
+        self.stages = [Stage.create(name, model, section(cfg, f"{name}_optim", optim), lora,
+                                    with_reference=self.grpo.beta > 0)
+                       for name, model in (("t2i", self.t2i), ("i2v", self.i2v))]
         self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"])
