@@ -44,10 +44,11 @@ import math
 
 import torch
 from flowseam.ops import SDEStepOutput, check_sigmas, check_step_tensors, sde_std_dev_t
+from flowseam.ops.eager import HALF_LOG_2PI as _HALF_LOG_2PI
+from flowseam.ops.eager import compute_dtype as _compute_dtype
 
 from .compiled import compile_function
 
-_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 # No fullgraph=True: these functions have no graph breaks (the tests count their graphs), and
 # should dynamo ever refuse one, running it eagerly beats failing a denoising run.
@@ -57,11 +58,6 @@ _OPTIONS = {"dynamic": True}
 #   mean = x * A + v * B;  sample = mean + STD * noise;
 #   log N(s; mean, STD^2) = (s - mean)^2 * NEG_HALF_INV_VAR - LOG_NORM
 _A, _B, _STD, _NEG_HALF_INV_VAR, _LOG_NORM = range(5)
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """float32 or wider: float64 stays float64, everything else computes in float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _flat(t: torch.Tensor, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor:

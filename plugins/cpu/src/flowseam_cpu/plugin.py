@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from flowseam import Availability, BackendInfo, ComponentSpec, KernelRegistration, hookimpl, ops
 from flowseam.components import instantiate
-
-from . import kernels
+from flowseam.ops import eager as kernels  # the eager-torch implementation of every op contract
 
 
 @hookimpl

@@ -1,7 +1,12 @@
-"""torch implementations of flowseam's ops on the CPU.
+"""The eager-torch implementation of every op contract, on whatever device the tensors are on.
 
-Each follows the contract in :mod:`flowseam.ops` and is checked against the numpy float64 oracle
-(:mod:`flowseam.ops.reference`) at C1: float32 inputs match within rtol = atol = 1e-5.
+Backends register these functions as their kernels (the cpu backend for every op; the cuda
+backend for its ``generic`` rung, below the cupy kernels), so the one implementation is written
+once. Each follows the contract in :mod:`flowseam.ops` and is checked against the numpy float64
+oracle (:mod:`flowseam.ops.reference`) at C1: float32 inputs match within rtol = atol = 1e-5.
+Dtype rules (every backend's): the arithmetic is float32, float64 for float64 ``x``; the Euler
+step and the SDE sample come back in ``x``'s dtype, ``mean``, ``std`` and ``log_prob`` in the
+compute dtype.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from flowseam.ops import (
+
+from . import (
     SDEStepOutput,
     as_sigma,
     check_attention,
@@ -19,10 +25,10 @@ from flowseam.ops import (
     sde_std_dev_t,
 )
 
-_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """float32 or wider: float64 stays float64, everything else computes in float32."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -38,7 +44,7 @@ def flow_match_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: 
     dt = sigma_next - sigma
     if x.dtype == torch.float32 and v.dtype == torch.float32:
         return torch.add(x, v, alpha=dt)
-    ct = _compute_dtype(x)
+    ct = compute_dtype(x)
     return torch.add(x.to(ct), v.to(ct), alpha=dt).to(x.dtype)
 
 
@@ -50,7 +56,7 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
     sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v, noise, prev_sample)
     check_sigmas(sigma, sigma_next, sde=True, sigma_max=sigma_max, noise_level=noise_level)
-    ct = _compute_dtype(x)
+    ct = compute_dtype(x)
     dt = sigma_next - sigma
     std_dev_t = sde_std_dev_t(sigma, noise_level, sigma_max)
     x_c, v_c = x.to(ct), v.to(ct)
@@ -64,7 +70,7 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
     else:
         sample = prev_sample.to(x.dtype)
     diff = sample.detach().to(ct) - mean
-    log_density = diff.square() * (-0.5 / std**2) - (math.log(std) + _HALF_LOG_2PI)
+    log_density = diff.square() * (-0.5 / std**2) - (math.log(std) + HALF_LOG_2PI)
     log_prob = log_density.reshape(x.shape[0], -1).mean(dim=1)
     return SDEStepOutput(sample=sample, log_prob=log_prob, mean=mean,
                          std=torch.tensor(std, dtype=ct, device=x.device))
