@@ -49,7 +49,7 @@ def main() -> None:
     from flowseam.cli import _quiet_libraries
     from flowseam.demo.build import ensure_models, read_recipes
     from flowseam.demo.evaluate import serve_params
-    from flowseam.demo.run import EVAL_SEED_BASE, PROMPTS, RL_CONFIG, _rl_sampling, default_threads
+    from flowseam.demo.run import EVAL_SEED_BASE, PROMPTS, RL_CONFIG, default_threads, rl_config
     from flowseam.training import get_reward
     from flowseam.training.workflow_rl import WorkflowRL
 
@@ -83,11 +83,8 @@ def main() -> None:
         platform = flowseam.Platform(args.backend)
         t2i = flowseam.load(paths["digits-t2i"], platform=platform)
         i2v = flowseam.load(paths["digits-i2v"], platform=platform)
-        config = dict(base, reward=reward, prompts=prompts, steps=args.steps,
-                      group_size=args.group_size,
-                      prompts_per_step=min(RL_CONFIG["prompts_per_step"], len(prompts)),
-                      t2i_sampling=_rl_sampling(base["t2i_sampling"], t2i_serve),
-                      i2v_sampling=_rl_sampling(base["i2v_sampling"], i2v_serve))
+        config = rl_config(prompts, args.steps, args.group_size, t2i_serve, i2v_serve, base=base,
+                           reward=reward)
         return WorkflowRL(config, t2i=t2i, i2v=i2v)
 
     def per_seed(run: WorkflowRL) -> np.ndarray:

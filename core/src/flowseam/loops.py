@@ -108,7 +108,8 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
     # 4. Denoise: the solver is whatever the platform resolved for this op.
     op = ops.FLOW_SDE_STEP if params.sde_rollout else ops.FLOW_MATCH_STEP
     step = model.platform.kernels.get(op)
-    ode_step = model.platform.kernels.get(ops.FLOW_MATCH_STEP)
+    # outside an sde_window the step is the ODE one
+    ode_step = model.platform.kernels.get(ops.FLOW_MATCH_STEP) if params.sde_rollout else step
     window = range(*params.sde_window) if params.sde_window is not None else None
     capture = profile is ExecutionProfile.ROLLOUT
     sigma_max = sigmas[1] if len(sigmas) > 2 else None
@@ -122,14 +123,14 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
             sigma, sigma_next = sigmas[i], sigmas[i + 1]
             t = timesteps[i].expand(latents.shape[0])
             velocity = model.velocity(latents, t, cond, params)
-            used = step
             if params.sde_rollout and (window is None or i in window):
+                used = step
                 noise = _sde_noise(latents, generators)
                 out = step(latents, velocity, sigma, sigma_next, noise=noise,
                            noise_level=params.noise_level, sigma_max=sigma_max)
                 next_latents, log_prob = out.sample, out.log_prob
-            else:  # the ODE step (outside the SDE window, the step kernel is the ODE one)
-                used = ode_step if params.sde_rollout else step
+            else:
+                used = ode_step
                 next_latents, log_prob = used(latents, velocity, sigma, sigma_next), None
             if capture:
                 records.append(BehaviorRecord(i, latents, next_latents, t, sigma, sigma_next,

@@ -63,12 +63,20 @@ def centroid(frame: np.ndarray) -> np.ndarray:
     return np.array([(gray * ys).sum() / total, (gray * xs).sum() / total])
 
 
+def displacement(video: np.ndarray, direction: str) -> tuple[float, float]:
+    """``(along, across)``: the centroid's move from the first to the last frame, in pixels,
+    along the named direction and (absolute) across it."""
+    dy, dx = DIRECTIONS[direction]
+    d = centroid(video[-1]) - centroid(video[0])
+    along = d[0] * dy + d[1] * dx
+    across = abs(d[0] * dx) + abs(d[1] * dy)
+    return float(along), float(across)
+
+
 def motion_score(video: np.ndarray, direction: str, target_px: float) -> float:
     """Displacement of the centroid from the first to the last frame along ``direction``,
     divided by ``target_px`` and clipped to [0, 1]."""
-    dy, dx = DIRECTIONS[direction]
-    d = centroid(video[-1]) - centroid(video[0])
-    return float(np.clip((d[0] * dy + d[1] * dx) / target_px, 0.0, 1.0))
+    return float(np.clip(displacement(video, direction)[0] / target_px, 0.0, 1.0))
 
 
 class DigitImageReward:

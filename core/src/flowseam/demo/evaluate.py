@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..request import DiffusionParams
-from .classifier import centroid, digit_probabilities
+from .classifier import digit_probabilities, displacement
 from .data import DIRECTIONS, NUMBER_WORDS, i2v_prompt, moving_clip, splits, t2i_prompt
 
 
@@ -42,16 +42,6 @@ def t2i_accuracy(model, params: DiffusionParams, samples_per_digit: int = 10, se
             "mean_prob": float(probs[np.arange(len(labels)), labels].mean()),
             "per_digit": {NUMBER_WORDS[d]: float(hit[labels == d].mean()) for d in range(10)},
             "samples": int(len(labels))}
-
-
-def displacement(video: np.ndarray, direction: str) -> tuple[float, float]:
-    """``(along, across)``: the centroid's move from the first to the last frame, in pixels,
-    along the named direction and (absolute) across it."""
-    dy, dx = DIRECTIONS[direction]
-    d = centroid(video[-1]) - centroid(video[0])
-    along = d[0] * dy + d[1] * dx
-    across = abs(d[0] * dx) + abs(d[1] * dy)
-    return float(along), float(across)
 
 
 def moves_as_prompted(video: np.ndarray, direction: str, min_px: float = 2.0) -> bool:

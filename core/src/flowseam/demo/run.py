@@ -96,7 +96,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from ..training.workflow_rl import WorkflowRL
     from ..workflows import Workflow
     from .build import ensure_models, read_recipes
-    from .evaluate import digit_px, serve_params
+    from .evaluate import digit_px, serve_params, t2i_accuracy
 
     started = time.perf_counter()
     torch.set_num_threads(opts.threads or default_threads())
@@ -143,22 +143,19 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
     # 4. workflow_rl on the digit_video reward, with held-out evaluations before and after.
     seeds = list(range(EVAL_SEED_BASE, EVAL_SEED_BASE + opts.eval_seeds))
-    config = dict(RL_CONFIG, prompts=prompts, steps=opts.steps, group_size=opts.group_size,
-                  prompts_per_step=min(RL_CONFIG["prompts_per_step"], len(prompts)),
-                  output_dir=str(out / "rl"),
-                  t2i_sampling=_rl_sampling(RL_CONFIG["t2i_sampling"], t2i_params),
-                  i2v_sampling=_rl_sampling(RL_CONFIG["i2v_sampling"], i2v_params))
+    config = rl_config(prompts, opts.steps, opts.group_size, t2i_params, i2v_params,
+                       output_dir=str(out / "rl"))
     rl = WorkflowRL(config, t2i=t2i, i2v=i2v)
     t0 = time.perf_counter()
     px = digit_px(recipes["digits-t2i"].config)
-    acc_before = generated_digit_accuracy(t2i, t2i_params, seeds, px)
+    acc_before = t2i_accuracy(t2i, t2i_params, len(seeds), seed=seeds[0], digit_px=px)
     reward_before = rl.evaluate(seeds).numpy()
     print(f"held-out reward before RL: {reward_before.mean():.3f} ± {reward_before.std():.3f} "
           f"({len(seeds)} seeds x {len(prompts)} prompt(s))")
     t2i_weights = {n: p.detach().clone() for n, p in t2i.dit.named_parameters()}
     result = rl.run(progress=True)
     reward_after = rl.evaluate(seeds).numpy()
-    acc_after = generated_digit_accuracy(t2i, t2i_params, seeds, px)
+    acc_after = t2i_accuracy(t2i, t2i_params, len(seeds), seed=seeds[0], digit_px=px)
     px_video = digit_px(recipes["digits-i2v"].config)
     t2i_changed = any(not torch.equal(t2i_weights[n], p) for n, p in t2i.dit.named_parameters())
     summary["seconds_rl"] = round(time.perf_counter() - t0, 1)
@@ -195,6 +192,19 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     return summary
 
 
+def rl_config(prompts: list[str], steps: int, group_size: int, t2i_serve: DiffusionParams,
+              i2v_serve: DiffusionParams, base: dict[str, Any] | None = None,
+              **changes: Any) -> dict[str, Any]:
+    """The demo's ``workflow_rl`` config: ``base`` (default :data:`RL_CONFIG`) for these prompts,
+    steps and group size, each stage sampling at its recipe's ``[serve]`` size (``t2i_serve``,
+    ``i2v_serve``) with the RL step count and SDE settings; ``changes`` override top-level keys."""
+    base = RL_CONFIG if base is None else base
+    return dict(base, prompts=prompts, steps=steps, group_size=group_size,
+                prompts_per_step=min(base["prompts_per_step"], len(prompts)),
+                t2i_sampling=_rl_sampling(base["t2i_sampling"], t2i_serve),
+                i2v_sampling=_rl_sampling(base["i2v_sampling"], i2v_serve), **changes)
+
+
 def _rl_sampling(rl: dict[str, Any], serve: DiffusionParams) -> dict[str, Any]:
     """The RL stage's sampling: the serve size and text length, fewer steps, the SDE noise."""
     keep = ("height", "width", "num_frames", "guidance_scale", "flow_shift", "max_sequence_length")
@@ -216,22 +226,6 @@ def _run_workflow(workflow, prompts, t2i_params, i2v_params, folder: Path, fps: 
         media.write_video(folder / f"{slug}.mp4", video, fps=fps)
         results.append((image, video))
     return results
-
-
-def generated_digit_accuracy(t2i, params: DiffusionParams, seeds: list[int],
-                             digit_px: int = 16) -> dict[str, Any]:
-    """The held-out classifier on T2I samples: every digit, one sample per seed."""
-    from .classifier import digit_probabilities
-    from .data import t2i_prompt
-
-    prompts = [t2i_prompt(d) for d in range(10) for _ in seeds]
-    all_seeds = [s for _ in range(10) for s in seeds]
-    frames = t2i.generate(prompts, params=params, seeds=all_seeds).frames
-    probs = digit_probabilities(frames[:, 0], digit_px=digit_px)
-    labels = np.repeat(np.arange(10), len(seeds))
-    return {"accuracy": float((probs.argmax(1) == labels).mean()),
-            "mean_prob": float(probs[np.arange(len(labels)), labels].mean()),
-            "samples": len(labels)}
 
 
 def video_accuracy(prompts: list[str], results: list, digit_px: int = 16) -> float:

@@ -164,9 +164,6 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
             adv = traj.advantages.to(res.latents.device)
             for j in steps:
                 rec = res.records[j]
-                if rec.log_prob is None:
-                    raise ValueError("Flow-GRPO needs SDE rollouts (params.sde_rollout=True); "
-                                     f"step {j} has no log-prob")
                 kernel = model.platform.kernels.pin(rec.impl_id)
                 v = model.velocity(rec.latents, rec.timestep, res.cond, res.params, dit=policy)
                 out = kernel(rec.latents, v, rec.sigma, rec.sigma_next, prev_sample=rec.next_latents,
