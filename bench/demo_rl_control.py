@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import flowseam
-    from flowseam.cli import _quiet_libraries
+    from flowseam.console import quiet_libraries
     from flowseam.demo.build import ensure_models, read_recipes
     from flowseam.demo.evaluate import serve_params
     from flowseam.demo.run import EVAL_SEED_BASE, PROMPTS, RL_CONFIG, default_threads, rl_config
@@ -54,7 +54,7 @@ def main() -> None:
     from flowseam.training.workflow_rl import WorkflowRL
 
     torch.set_num_threads(args.threads or default_threads())
-    _quiet_libraries()
+    quiet_libraries()
     recipes = read_recipes()
     paths = {"digits-t2i": args.t2i, "digits-i2v": args.i2v}
     if not (args.t2i and args.i2v):

@@ -7,36 +7,12 @@ import json
 import sys
 from typing import Sequence
 
+from .console import backend_rows, print_backend_table, quiet_libraries
 from .errors import FlowseamError
 
 
-def _backend_rows(strict: bool) -> tuple[list[dict], str | None]:
-    from .platform import Platform
-    from .plugins import discover, raise_if_broken
-
-    reg = discover()
-    if strict:
-        raise_if_broken(reg)
-    active: set[str] = set()
-    explain = None
-    try:
-        platform = Platform.detect(registry=reg)
-    except FlowseamError:
-        platform = None
-    if platform is not None:
-        active = {p["name"] for p in platform.to_dict()["plugins"]}
-        explain = platform.explain()
-    rows = []
-    for rec in sorted(reg.records.values(), key=lambda r: (r.backend is None, -r.priority, r.name)):
-        row = rec.summary()
-        if rec.name in active or (rec.usable and rec.backend is None):
-            row["status"] = "active"
-        rows.append(row)
-    return rows, explain
-
-
 def cmd_backends(args: argparse.Namespace) -> int:
-    rows, explain = _backend_rows(strict=False)
+    rows, explain = backend_rows(strict=False)
     broken = [r for r in rows if r["status"] == "broken"]
     if args.json:
         for r in rows:
@@ -52,36 +28,6 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_backend_table(rows: list[dict] | None = None, explain: str | None = None,
-                        verbose: bool = False) -> None:
-    """Print what ``flowseam backends`` prints: every plugin with its status, then how the
-    platform resolved every op and component. ``rows``/``explain`` default to a discovery."""
-    if rows is None:
-        rows, explain = _backend_rows(strict=False)
-    cols = [("name", lambda r: r["name"]), ("distribution", lambda r: r["distribution"]),
-            ("version", lambda r: r["version"]), ("status", lambda r: r["status"]),
-            ("device", lambda r: r["device"] or "-"),
-            ("ops", lambda r: ", ".join(r["ops"]) or "-"),
-            ("components", lambda r: ", ".join(r["components"]) or "-"),
-            ("methods", lambda r: ", ".join(r["methods"] + r["rewards"]) or "-")]
-    cells = [[get(r) for _, get in cols] for r in rows]
-    widths = [max([len(name)] + [len(c[i]) for c in cells]) + 2 for i, (name, _) in enumerate(cols)]
-    header = "".join(f"{name:<{w}}" for (name, _), w in zip(cols, widths)).rstrip()
-    print(header)
-    print("-" * len(header))
-    for r, row in zip(rows, cells):
-        print("".join(f"{c:<{w}}" for c, w in zip(row, widths)).rstrip())
-        if r["reason"]:
-            print(f"  reason: {r['reason']}")
-        if verbose and r.get("traceback"):
-            print("\n".join(f"    {line}" for line in r["traceback"].splitlines()))
-    if not rows:
-        print("(no flowseam plugins installed: pip install flowseam-cpu)")
-    if explain:
-        print()
-        print(explain)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate an image or video (or run a workflow) and write it atomically."""
     import time
@@ -93,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .request import DiffusionParams
     from .workflows import WORKFLOWS
 
-    _quiet_libraries()
+    quiet_libraries()
     suffix = Path(args.output).suffix.lower()
     if suffix not in media.IMAGE_SUFFIXES + media.VIDEO_SUFFIXES:
         raise ValueError(f"--output {args.output}: unsupported suffix {suffix!r}; use .png for "
@@ -144,7 +90,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .training import get_method
     from .training.config import load_config
 
-    _quiet_libraries()
+    quiet_libraries()
     method = get_method(args.method)  # unknown → error listing the registered methods
     config = load_config(args.config)
     for override in args.set or []:
@@ -202,18 +148,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         rebuild=args.rebuild, quick=args.quick, no_shipped=args.no_shipped, threads=args.threads,
         fps=args.fps))
     return 0
-
-
-def _quiet_libraries() -> None:
-    """Keep the console to flowseam's own progress bar and summary: diffusers' and transformers'
-    info logs and weight-loading bars are silenced (warnings and errors still show)."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -259,10 +259,10 @@ def build_model(recipe: Recipe, cache_dir: str | os.PathLike, *, quick: bool = F
 
 
 def _load(path: Path, platform):
-    from ..cli import _quiet_libraries
+    from ..console import quiet_libraries
     from ..loading import load
 
-    _quiet_libraries()
+    quiet_libraries()
     return load(path, platform=platform)
 
 

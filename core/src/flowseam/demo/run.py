@@ -90,7 +90,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     import torch
 
     from .. import media
-    from ..cli import _quiet_libraries, print_backend_table
+    from ..console import print_backend_table, quiet_libraries
     from ..loading import load
     from ..platform import Platform
     from ..training.workflow_rl import WorkflowRL
@@ -100,7 +100,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
     started = time.perf_counter()
     torch.set_num_threads(opts.threads or default_threads())
-    _quiet_libraries()
+    quiet_libraries()
     out = Path(opts.output)
 
     # 1. The backends.

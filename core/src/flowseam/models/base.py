@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents with it)
 from ..request import DiffusionParams, GenerationRequest, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -234,19 +235,6 @@ def frames_to_pixels(frames: np.ndarray | torch.Tensor) -> torch.Tensor:
     """``(B, F, H, W, 3)`` in [0, 1] → ``(B, 3, F, H, W)`` float32 in [-1, 1]."""
     x = torch.as_tensor(np.asarray(frames, dtype=np.float32)) if not torch.is_tensor(frames) else frames.float()
     return x.permute(0, 4, 1, 2, 3) * 2.0 - 1.0
-
-
-def draw_noise(shape: tuple[int, ...], generators: list[torch.Generator],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Standard normal noise ``shape = (B, ...)``, row ``b`` drawn from ``generators[b]`` (as
-    diffusers' ``randn_tensor`` does with a list of generators), on the CPU.
-
-    :raises ValueError: if the number of generators is not B.
-    """
-    if len(generators) != shape[0]:
-        raise ValueError(f"{len(generators)} generators for a batch of {shape[0]}")
-    rows = [torch.randn((1, *shape[1:]), generator=g, dtype=dtype) for g in generators]
-    return torch.cat(rows, dim=0)
 
 
 def postprocess(decoded: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,53 @@
+"""Denoising loops: one module per loop family, each reading top to bottom like a diffusers
+pipeline's ``__call__``. Serve and rollout are the same loop (``ExecutionProfile``).
+
+``run_loop(model, request)`` runs the loop the model's card names first (``card.loops``); each
+loop module exposes ``run(model, request, profile, progress, decode) -> LoopResult``. Loop modules
+share helpers from modules below them (:mod:`flowseam.noise`, :mod:`.records`) and never import
+each other, models or training.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ..request import GenerationRequest
+from . import flow_match
+from .records import BehaviorRecord, ExecutionProfile, LoopResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..models.base import ModelInstance
+
+#: loop name (as cards list them in ``ModelCard.loops``) → its ``run`` function
+LOOPS: dict[str, Callable[..., LoopResult]] = {"flow_match": flow_match.run}
+
+
+def run_loop(model: "ModelInstance", request: GenerationRequest,
+             profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
+             decode: bool = True) -> LoopResult:
+    """Run the card's loop for ``request`` (see the loop module for the stages).
+
+    :param profile: SERVE, or ROLLOUT to capture a BehaviorRecord per step.
+    :param progress: show a tqdm progress bar over the denoising steps.
+    :param decode: decode the final latents with the VAE (``frames`` is empty otherwise).
+    :raises ValueError: for invalid requests (raised before any model runs), or a card whose
+        loop flowseam does not have.
+    """
+    name = model.card.loops[0]
+    try:
+        loop = LOOPS[name]
+    except KeyError:
+        raise ValueError(f"card {model.card.name} runs loop {name!r}; flowseam has "
+                         f"{sorted(LOOPS)}") from None
+    return loop(model, request, profile=profile, progress=progress, decode=decode)
+
+
+def rollout_loop(model: "ModelInstance", request: GenerationRequest,
+                 profile: ExecutionProfile = ExecutionProfile.ROLLOUT, decode: bool = True) -> LoopResult:
+    """A rollout: the serve loop (:func:`run_loop`) with capture — one :class:`BehaviorRecord` per
+    step. With ``request.params.sde_rollout`` the steps are Flow-GRPO's SDE steps with log-probs;
+    without it the result is bit-identical to serving the same request."""
+    return run_loop(model, request, profile=profile, decode=decode)
+
+
+__all__ = ["BehaviorRecord", "ExecutionProfile", "LOOPS", "LoopResult", "rollout_loop", "run_loop"]

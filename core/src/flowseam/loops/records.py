@@ -1,0 +1,71 @@
+"""What every loop returns and what a rollout captures: the records shared by all loop modules."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..request import DiffusionParams
+
+
+class ExecutionProfile(str, enum.Enum):
+    """SERVE: generate. ROLLOUT: generate and capture a BehaviorRecord per step."""
+
+    SERVE = "serve"
+    ROLLOUT = "rollout"
+
+
+@dataclass
+class BehaviorRecord:
+    """What a rollout captures for one denoising step.
+
+    :ivar latents: ``(B, ...)`` the latents the step started from (the DiT's input state).
+    :ivar next_latents: ``(B, ...)`` the latents it produced.
+    :ivar timestep: ``(B,)`` float32, what the DiT was given (card-specific scaling of sigma).
+    :ivar sigma, sigma_next: the step's noise levels (floats in [0, 1]).
+    :ivar sigma_max: the SDE step's sigma at sigma == 1 (Flow-GRPO's ``sigmas[1]``).
+    :ivar log_prob: ``(B,)`` float32 log-prob of ``next_latents`` (SDE steps only, else None).
+    :ivar impl_id: the kernel that produced the step (pin it to recompute the log-prob).
+    :ivar index: the step index.
+    """
+
+    index: int
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    timestep: torch.Tensor
+    sigma: float
+    sigma_next: float
+    sigma_max: float | None
+    log_prob: torch.Tensor | None
+    impl_id: str
+
+
+@dataclass
+class LoopResult:
+    """The output of one loop run.
+
+    :ivar frames: ``(B, F, H, W, 3)`` float32 in [0, 1] (F = 1 for images).
+    :ivar latents: ``(B, ...)`` the final latents, before decoding.
+    :ivar params: the parameters after defaults were filled in.
+    :ivar seeds: one seed per sample.
+    :ivar records: the BehaviorRecords (ROLLOUT only).
+    :ivar cond: the conditioning used (text embeddings etc.), for recomputing velocities.
+    :ivar seconds: wall time per stage (``encode``, ``denoise``, ``decode``, ``total``).
+    :ivar kernels: op → impl_id of the step kernel the loop used (outside an ``sde_window`` the
+        steps are ``flow_match_step``; each BehaviorRecord names its own kernel).
+    :ivar loop: the loop that ran (``"flow_match"``, ...).
+    """
+
+    frames: np.ndarray
+    latents: torch.Tensor
+    params: DiffusionParams
+    seeds: list[int]
+    records: list[BehaviorRecord] = field(default_factory=list)
+    cond: Any = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    kernels: dict[str, str] = field(default_factory=dict)
+    loop: str = "flow_match"
