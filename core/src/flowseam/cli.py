@@ -86,7 +86,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run a registered training method with a TOML/YAML config."""
+    """Run a registered training method with a TOML/YAML config (on ``--nproc`` ranks)."""
+    import os
+
     from .training import get_method
     from .training.config import load_config
 
@@ -102,7 +104,21 @@ def cmd_train(args: argparse.Namespace) -> int:
             config[key] = json.loads(value)
         except ValueError:
             config[key] = value
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # the launcher, not yet a rank
+            from .training.distributed import launch
+
+            check = getattr(method, "check_world_size", None)
+            if check is not None:
+                check(config, args.nproc)  # e.g. a batch that does not split: fail before spawning
+            argv = ["train", "--method", args.method, "--config", args.config]
+            argv += [a for s in args.set or [] for a in ("--set", s)]
+            return launch(argv, args.nproc)
     summary = method(config).run(progress=True)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # rank 0 reports for the run
     last = summary["records"][-1] if summary["records"] else {}
     shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in last.items()
              if k.startswith(("step", "reward_mean", "loss", "ratio", "t2i_ratio", "i2v_ratio"))}
@@ -185,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="a .toml or .yaml config file")
     t.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a top-level config key (value parsed as JSON when it can be)")
+    t.add_argument("--nproc", type=int, metavar="N",
+                   help="data-parallel training on N ranks of this machine (torchrun: gloo on CPU, "
+                        "nccl on GPU, one GPU per rank); rank 0 writes metrics and checkpoints")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("demo", help="the main job on real handwritten digits: build or load the "

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import FlowseamError
 from ..models.base import ModelInstance
+from .distributed import DataParallel, state_checksum
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .metrics import MetricsWriter, read_metrics
 from .weight_sync import WeightRole, WeightSyncPlan
@@ -45,10 +46,14 @@ class Stage:
     reference: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     sync: WeightSyncPlan
+    #: what updates run forward and backward through: the policy itself on one process, its DDP
+    #: wrapper or the FSDP2-sharded policy under data parallelism (``DataParallel.wrap``)
+    trainer: torch.nn.Module | None = None
 
     @classmethod
     def create(cls, name: str, model: ModelInstance, optim: dict[str, Any], lora: dict[str, Any],
-               with_reference: bool) -> "Stage":
+               with_reference: bool, dp: DataParallel | None = None) -> "Stage":
+        dp = dp or DataParallel.single()
         if lora["rank"]:
             _add_lora(model.dit, lora)  # the rollout copy gets the same adapters (zero-initialised)
         policy = copy.deepcopy(model.dit)
@@ -58,11 +63,14 @@ class Stage:
                 p.requires_grad_("lora_" in n)
         else:
             policy.requires_grad_(True)
+        trainer = dp.wrap(policy)  # before the optimizer: FSDP2 replaces the parameters
+        if reference is not None and dp.fsdp:
+            reference = dp.wrap(reference)
         trainable = [p for p in policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=optim["lr"], weight_decay=optim["weight_decay"],
                                       betas=(optim["beta1"], optim["beta2"]), eps=optim["adam_eps"])
         plan = WeightSyncPlan(policy, model, model.DIT, WeightRole.STUDENT)
-        return cls(name, model, policy, reference, optimizer, plan)
+        return cls(name, model, policy, reference, optimizer, plan, trainer)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
@@ -78,15 +86,20 @@ def _add_lora(module: torch.nn.Module, lora: dict[str, Any]) -> None:
 
 @dataclass
 class RunFiles:
-    """Where a run writes: ``metrics.jsonl`` and ``checkpoints/`` under ``output_dir``."""
+    """Where a run writes: ``metrics.jsonl`` and ``checkpoints/`` under ``output_dir``.
+
+    :param writer: whether this process writes them (rank 0 of a data-parallel run; every rank
+        reads the checkpoint it resumes from).
+    """
 
     output_dir: Path | None
     checkpoint_every: int = 0
     metrics: MetricsWriter | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    writer: bool = True
 
     def open(self, resumed_step: int) -> None:
-        if self.output_dir is None:
+        if self.output_dir is None or not self.writer:
             return
         path = self.output_dir / "metrics.jsonl"
         if resumed_step and path.is_file():  # drop lines past the checkpoint we resume from
@@ -108,13 +121,16 @@ class RunFiles:
         state = load_checkpoint(path, {s.name: s.policy for s in stages},
                                 {s.name: s.optimizer for s in stages})
         for s in stages:
-            s.sync.sync()  # the rollout copy gets the restored weights...
-            s.sync.version = state["sync_versions"][s.name]  # ...under the version it had
+            # the rollout copy (and every receiver of the plan) gets the restored weights under
+            # the version they had
+            s.sync.version = state["sync_versions"][s.name] - 1
+            s.sync.sync()
             s.model.versions[s.model.DIT] = state["weights_versions"][s.name]
         return state
 
     def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any]) -> Path | None:
-        if not self.checkpoint_every or self.checkpoint_dir is None or step % self.checkpoint_every:
+        if (not self.checkpoint_every or self.checkpoint_dir is None or not self.writer
+                or step % self.checkpoint_every):
             return None
         return save_checkpoint(
             self.checkpoint_dir, step, {s.name: s.policy for s in stages},
@@ -159,9 +175,10 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
         method.step = state["step"]
         method.skipped_groups = state.get("skipped_groups", 0)
     method.files.open(method.step)
+    dp = getattr(method, "dp", None) or DataParallel.single()
     records: list[dict[str, Any]] = []
     bar = None
-    if method.progress:
+    if method.progress and dp.is_main:
         from tqdm.auto import tqdm
         bar = tqdm(total=method.config["steps"], initial=method.step, desc=desc, unit="step")
     try:
@@ -174,7 +191,23 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
         if bar is not None:
             bar.close()
         method.files.close()
+    check_replicas(dp, stages)
     return records
+
+
+def check_replicas(dp: DataParallel, stages: list[Stage]) -> None:
+    """Under DDP, every rank must end with the same weights (one checksum per rank, compared).
+
+    :raises FlowseamError: naming the ranks whose weights differ from rank 0's.
+    """
+    if dp.world_size == 1 or dp.fsdp:  # FSDP shards differ by design
+        return
+    mine = [state_checksum(s.trainable_state()) for s in stages]
+    ranks = dp.gather_objects(mine)
+    bad = [r for r, sums in enumerate(ranks) if sums != ranks[0]]
+    if bad:
+        raise FlowseamError(f"data-parallel replicas diverged: rank(s) {bad} hold different weights "
+                            "from rank 0 after training")
 
 
 def require_group_size(k: int) -> None:

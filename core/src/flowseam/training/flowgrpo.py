@@ -18,12 +18,19 @@ Config (TOML/YAML or dict)::
     seed = 0
     output_dir = "runs/grpo"           # metrics.jsonl and checkpoints/ (optional)
     checkpoint_every = 10              # 0: never
+    [distributed] fsdp = false         # with --nproc N / torchrun: shard the trainer (FSDP2)
+                                       # instead of replicating it (DDP); see below
     [sampling]  num_steps, height, width, num_frames, guidance_scale, noise_level, flow_shift,
                 negative_prompt, max_sequence_length, sde_window = [start, end] (SDE only on
                 those steps, ODE elsewhere; trains on them: Flow-GRPO-Fast)
     [grpo]      clip_range, adv_clip_max, beta, inner_epochs, timestep_fraction, max_grad_norm, eps
     [optim]     lr, weight_decay, beta1, beta2, adam_eps
     [lora]      rank (0 = full fine-tune), alpha, target_modules
+
+Data parallelism (``flowseam train --nproc N`` or under ``torchrun``): each rank rolls out its
+share of every step's ``prompts_per_step`` × ``group_size`` samples (the seeds are the same as on
+one process), the rewards are gathered so advantages are computed over whole groups, gradients
+are averaged over ranks, rank 0 writes metrics and checkpoints (:mod:`.distributed`).
 """
 
 from __future__ import annotations
@@ -52,15 +59,17 @@ from .common import (
     run_training,
 )
 from .config import section
-from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, group_advantages, ppo_update
+from .distributed import DataParallel
+from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import score
 
 TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness", reward_args={},
                     group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
-                    checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={})
+                    checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={}, distributed={})
 SAMPLING_DEFAULTS = dict(num_steps=4, height=None, width=None, num_frames=None, guidance_scale=None,
                          noise_level=0.7, sde_window=None, flow_shift=None, negative_prompt=None,
                          max_sequence_length=None)
+DISTRIBUTED_DEFAULTS = dict(fsdp=False)
 
 
 def check_top(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -93,36 +102,48 @@ class FlowGRPO:
         self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
         optim = section(cfg, "optim", OPTIM_DEFAULTS)
         lora = section(cfg, "lora", LORA_DEFAULTS)
+        self.dp = DataParallel.from_env(**section(cfg, "distributed", DISTRIBUTED_DEFAULTS))
+        self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
         if model is None:
             if not cfg["model"]:
                 raise FlowseamError("config needs model = <checkpoint directory>")
-            platform = Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()
+            platform = self.dp.platform(
+                lambda: Platform(cfg["backend"]) if cfg["backend"] else Platform.detect())
             model = load(cfg["model"], platform=platform)
         if TaskType.I2V in model.card.tasks:
             raise FlowseamError(f"flowgrpo trains text-conditioned models; {model.card.name} needs an "
                                 "image per prompt (use the workflow_rl method for image-to-video)")
         self.model = model
         self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
-        self.stage = Stage.create("dit", model, optim, lora, with_reference=self.grpo.beta > 0)
+        self.stage = Stage.create("dit", model, optim, lora, with_reference=self.grpo.beta > 0,
+                                  dp=self.dp)
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"])
+                              cfg["checkpoint_every"], writer=self.dp.is_main)
         self.step = 0
         self.progress = True
         self.last_stats = None
         self.skipped_groups = 0
 
+    @staticmethod
+    def check_world_size(config: dict[str, Any], world_size: int) -> None:
+        """:raises FlowseamError: if a step's samples do not split evenly over ``world_size``
+        ranks (checked before the ranks start)."""
+        cfg = check_top(config, TOP_DEFAULTS)
+        DataParallel(world_size=world_size).shard_groups(cfg["prompts_per_step"], cfg["group_size"])
+
     # -- one step ---------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[list[Trajectory], list, list[str]]:
-        """One group of ``group_size`` SDE rollouts per prompt of this step."""
-        cfg, K = self.config, self.config["group_size"]
+        """This process's SDE rollouts of step ``step``: for each prompt (group) of the step it
+        holds, one batch of its members (every member of every group on one process)."""
+        cfg = self.config
         params = sampling_params(self.sampling)
         trajectories, results, prompts = [], [], []
-        for i in range(cfg["prompts_per_step"]):
+        for i, members in self.shard.parts():
             prompt = cfg["prompts"][(step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
-            seeds = [derive_seed(cfg["seed"], step, i, k) for k in range(K)]
-            request = GenerationRequest([prompt] * K, self.model.card.task, params, seeds=seeds)
+            seeds = [derive_seed(cfg["seed"], step, i, k) for k in members]
+            request = GenerationRequest([prompt] * len(members), self.model.card.task, params, seeds=seeds)
             result = run_loop(self.model, request, profile=ExecutionProfile.ROLLOUT)
-            trajectories.append(Trajectory(self.model, result, torch.zeros(K)))
+            trajectories.append(Trajectory(self.model, result, torch.zeros(len(members))))
             prompts.append(prompt)
             results.append(result)
         return trajectories, results, prompts
@@ -130,32 +151,36 @@ class FlowGRPO:
     def train_step(self) -> dict[str, Any]:
         """One Flow-GRPO step; returns its metrics (also written to metrics.jsonl)."""
         timer = Timer()
-        K = self.config["group_size"]
         with timer("rollout"):
             trajectories, results, prompts = self.rollout(self.step)
         with timer("reward"):
-            rewards = torch.stack([score(self.reward, [p] * K, r.frames) for p, r in zip(prompts, results)])
+            local = torch.stack([score(self.reward, [p] * len(r.seeds), r.frames)
+                                 for p, r in zip(prompts, results)])
+            rewards = self.shard.gather(local)  # (G, K) on every rank: whole groups
         adv, valid, adv_stats = group_advantages(rewards, self.grpo)
         if adv_stats["groups_skipped_nan"]:
             self.skipped_groups += adv_stats["groups_skipped_nan"]
             warnings.warn(f"step {self.step}: reward returned NaN for {adv_stats['groups_skipped_nan']} "
                           "group(s); skipped them (no update from those samples)", stacklevel=2)
-        for traj, a, ok in zip(trajectories, adv, valid):
-            traj.advantages = a if ok else torch.zeros_like(a)
+        trained = (adv != 0).any(dim=1)  # groups with a finite reward and a non-zero std
+        for traj, a, g in zip(trajectories, self.shard.local(adv), self.shard.groups):
+            traj.advantages, traj.trained = a, bool(trained[g])
         with timer("update"):
-            stats = ppo_update(self.stage.policy, self.stage.reference, trajectories,
+            stats = ppo_update(self.stage.trainer, self.stage.reference, trajectories,
                                self.stage.optimizer, self.grpo, seed=derive_seed(self.config["seed"], self.step, 99),
-                               after_step=None)
+                               after_step=None, dp=self.dp)
         with timer("sync"):
             if stats.grad_norms:
                 self.stage.sync.sync()
-        self.last_stats = stats
+        per_rank = self.dp.gather_objects(stats)
+        self.last_stats = stats = UpdateStats.merged(per_rank)
         finite = rewards[torch.isfinite(rewards)]
         self.step += 1
         record = {"step": self.step, "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
                   "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
                   **adv_stats, "groups_skipped_nan_total": self.skipped_groups, **stats.summary(),
                   "updated": bool(stats.grad_norms), "weights_version": self.stage.sync.version,
+                  **UpdateStats.by_rank(per_rank),
                   **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
         self.files.write(record)
         self.files.maybe_checkpoint(self.step, [self.stage], {"skipped_groups": self.skipped_groups})

@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..loops import LoopResult
 from ..models.base import ModelInstance
+from .distributed import DataParallel
 
 GRPO_DEFAULTS = dict(clip_range=1e-4, adv_clip_max=5.0, beta=0.04, inner_epochs=1,
                      timestep_fraction=1.0, max_grad_norm=1.0, eps=1e-4)
@@ -92,11 +93,22 @@ def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tens
 
 @dataclass
 class Trajectory:
-    """One rollout batch (its records, conditioning and params) and one advantage per row."""
+    """One rollout batch (its records, conditioning and params) and one advantage per row.
+
+    :ivar trained: whether the group this batch belongs to is trained on (False for a group with
+        a NaN reward or zero reward std). None: when any of its advantages is non-zero. A method
+        whose batches hold part of a group (data parallelism, one image-to-video rollout per
+        member) sets it from the whole group, so a row whose own advantage is 0 still counts.
+    """
 
     model: ModelInstance
     result: LoopResult
     advantages: torch.Tensor  # (B,)
+    trained: bool | None = None
+
+    @property
+    def is_trained(self) -> bool:
+        return bool((self.advantages != 0).any()) if self.trained is None else self.trained
 
 
 @dataclass
@@ -110,11 +122,36 @@ class UpdateStats:
 
     def summary(self, prefix: str = "") -> dict[str, float]:
         r = torch.cat(self.ratios) if self.ratios else torch.ones(1)
+        first = torch.cat(self.first_epoch_ratios) if self.first_epoch_ratios else torch.ones(1)
         mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0  # noqa: E731
         return {f"{prefix}ratio_mean": float(r.mean()), f"{prefix}ratio_min": float(r.min()),
-                f"{prefix}ratio_max": float(r.max()), f"{prefix}clip_frac": mean(self.clipped),
+                f"{prefix}ratio_max": float(r.max()),
+                f"{prefix}ratio_dev_first_epoch": float((first.double() - 1).abs().max()),
+                f"{prefix}clip_frac": mean(self.clipped),
                 f"{prefix}approx_kl": mean(self.approx_kl), f"{prefix}kl_ref": mean(self.kl_ref),
                 f"{prefix}grad_norm": mean(self.grad_norms)}
+
+    @staticmethod
+    def by_rank(per_rank: list["UpdateStats"], prefix: str = "") -> dict[str, Any]:
+        """With several ranks, each rank's first-epoch ratio deviation from 1 (C2 holds on every
+        rank, not only in the merged stats); nothing on one process."""
+        if len(per_rank) < 2:
+            return {}
+        key = f"{prefix}ratio_dev_first_epoch"
+        return {f"{key}_by_rank": [s.summary()["ratio_dev_first_epoch"] for s in per_rank]}
+
+    @classmethod
+    def merged(cls, per_rank: list["UpdateStats"]) -> "UpdateStats":
+        """The stats of every rank as one (what a single process running every rank's share
+        would have recorded; gradient norms are the same on every rank, rank 0's are kept)."""
+        out = cls(grad_norms=list(per_rank[0].grad_norms))
+        for s in per_rank:
+            out.ratios += s.ratios
+            out.first_epoch_ratios += s.first_epoch_ratios
+            out.clipped += s.clipped
+            out.approx_kl += s.approx_kl
+            out.kl_ref += s.kl_ref
+        return out
 
 
 def train_timesteps(n_steps: int, fraction: float, seed: int) -> list[int]:
@@ -127,63 +164,79 @@ def train_timesteps(n_steps: int, fraction: float, seed: int) -> list[int]:
 
 def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                trajectories: list[Trajectory], optimizer: torch.optim.Optimizer, cfg: GRPOConfig,
-               seed: int, after_step: Callable[[], None] | None = None) -> UpdateStats:
+               seed: int, after_step: Callable[[], None] | None = None,
+               dp: DataParallel | None = None) -> UpdateStats:
     """Flow-GRPO's PPO update of ``policy`` on ``trajectories``.
 
-    Per inner epoch: gradients accumulate over every trajectory and every selected step (loss
-    normalised by their count), then one clipped optimizer step, then ``after_step()`` (a
-    WeightSyncPlan's sync). On the first epoch no weight has changed yet, so every ratio is 1.
-    Trajectories whose advantages are all zero are dropped; with none left nothing is updated.
+    The loss is the mean, over every row (sample) of every trained trajectory and every selected
+    step, of the PPO clipped term plus ``beta`` × the KL to the reference. Per inner epoch:
+    gradients accumulate over every trajectory and selected step, then one clipped optimizer
+    step, then ``after_step()`` (a WeightSyncPlan's sync). On the first epoch no weight has
+    changed yet, so every ratio is 1. Trajectories that are not trained on
+    (:attr:`Trajectory.is_trained`) contribute nothing; with none left nothing is updated.
+
+    Under data parallelism (``dp`` with several ranks; ``policy`` is what ``dp.wrap`` returned)
+    every rank passes its own trajectories; the row count is summed over ranks, gradients are
+    averaged over ranks on the last backward of each epoch, and every rank runs the forwards of
+    all its trajectories (an untrained one with weight 0), so all ranks run the same number.
 
     :param trajectories: rollouts with ``sde_rollout=True``; the steps with a log-prob (every
         step, or those of ``params.sde_window``) are the ones trained on.
     :param seed: picks the trained steps (``timestep_fraction`` of the SDE steps) reproducibly.
     :returns: the ratios (per epoch), clip fractions, approximate KL, KL to the reference and
-        gradient norms (before clipping).
+        gradient norms (before clipping) of this rank's trained trajectories.
     :raises KernelPinError: if a record's kernel is not available on the model's platform.
     :raises ValueError: for a rollout without any log-prob (an ODE rollout).
     """
+    dp = dp or DataParallel.single()
     stats = UpdateStats()
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    # Rows with zero advantage carry no signal; with none left there is no update at all (an
-    # optimizer step on zero gradients would still apply weight decay).
-    trajectories = [t for t in trajectories if bool((t.advantages != 0).any())]
-    if not trajectories:
+    # Rows of untrained groups carry no signal; with none left (on any rank) there is no update
+    # at all (an optimizer step on zero gradients would still apply weight decay).
+    n_rows = dp.sum(sum(len(t.advantages) for t in trajectories if t.is_trained))
+    if not n_rows:
         return stats
+    work = trajectories if dp.world_size > 1 else [t for t in trajectories if t.is_trained]
     # The steps with a log-prob: every step, or those of the rollout's SDE window.
-    stochastic = [j for j, rec in enumerate(trajectories[0].result.records) if rec.log_prob is not None]
+    stochastic = [j for j, rec in enumerate(work[0].result.records) if rec.log_prob is not None]
     if not stochastic:
         raise ValueError("Flow-GRPO needs SDE rollouts (params.sde_rollout=True); no step of the "
                          "rollout has a log-prob")
     steps = [stochastic[k] for k in train_timesteps(len(stochastic), cfg.timestep_fraction, seed)]
-    n_terms = len(trajectories) * len(steps)
+    # each row's weight in the mean; × world size because DDP/FSDP average gradients over ranks
+    row_weight = dp.world_size / (n_rows * len(steps))
     for epoch in range(cfg.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
-        for traj in trajectories:
+        for t_index, traj in enumerate(work):
             model, res = traj.model, traj.result
             adv = traj.advantages.to(res.latents.device)
             for j in steps:
-                rec = res.records[j]
-                kernel = model.platform.kernels.pin(rec.impl_id)
-                v = model.velocity(rec.latents, rec.timestep, res.cond, res.params, dit=policy)
-                out = kernel(rec.latents, v, rec.sigma, rec.sigma_next, prev_sample=rec.next_latents,
-                             noise_level=res.params.noise_level, sigma_max=rec.sigma_max)
-                log_ratio = out.log_prob - rec.log_prob.to(out.log_prob.device)
-                ratio = torch.exp(log_ratio)
-                unclipped = -adv * ratio
-                clipped = -adv * ratio.clamp(1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
-                loss = torch.maximum(unclipped, clipped).mean()
-                if cfg.beta > 0 and reference is not None:
-                    with torch.no_grad():
-                        v_ref = model.velocity(rec.latents, rec.timestep, res.cond, res.params,
-                                               dit=reference)
-                        ref = kernel(rec.latents, v_ref, rec.sigma, rec.sigma_next,
-                                     prev_sample=rec.next_latents, noise_level=res.params.noise_level,
-                                     sigma_max=rec.sigma_max)
-                    kl = ((out.mean - ref.mean) ** 2).flatten(1).mean(dim=1) / (2 * out.std ** 2)
-                    loss = loss + cfg.beta * kl.mean()
-                    stats.kl_ref.append(float(kl.detach().mean()))
-                (loss / n_terms).backward()
+                last = t_index == len(work) - 1 and j == steps[-1]
+                with dp.accumulate(policy, sync=last):
+                    rec = res.records[j]
+                    kernel = model.platform.kernels.pin(rec.impl_id)
+                    v = model.velocity(rec.latents, rec.timestep, res.cond, res.params, dit=policy)
+                    out = kernel(rec.latents, v, rec.sigma, rec.sigma_next, prev_sample=rec.next_latents,
+                                 noise_level=res.params.noise_level, sigma_max=rec.sigma_max)
+                    log_ratio = out.log_prob - rec.log_prob.to(out.log_prob.device)
+                    ratio = torch.exp(log_ratio)
+                    unclipped = -adv * ratio
+                    clipped = -adv * ratio.clamp(1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
+                    rows = torch.maximum(unclipped, clipped)  # (B,)
+                    if cfg.beta > 0 and reference is not None:
+                        with torch.no_grad():
+                            v_ref = model.velocity(rec.latents, rec.timestep, res.cond, res.params,
+                                                   dit=reference)
+                            ref = kernel(rec.latents, v_ref, rec.sigma, rec.sigma_next,
+                                         prev_sample=rec.next_latents,
+                                         noise_level=res.params.noise_level, sigma_max=rec.sigma_max)
+                        kl = ((out.mean - ref.mean) ** 2).flatten(1).mean(dim=1) / (2 * out.std ** 2)
+                        rows = rows + cfg.beta * kl
+                        if traj.is_trained:
+                            stats.kl_ref.append(float(kl.detach().mean()))
+                    (rows.sum() * (row_weight if traj.is_trained else 0.0)).backward()
+                if not traj.is_trained:
+                    continue
                 detached = ratio.detach().cpu()
                 stats.ratios.append(detached)
                 if epoch == 0:
@@ -191,7 +244,7 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                 stats.clipped.append(float(((detached - 1.0).abs() > cfg.clip_range).float().mean()))
                 stats.approx_kl.append(float(0.5 * (log_ratio.detach() ** 2).mean()))
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-        stats.grad_norms.append(float(grad_norm))
+        stats.grad_norms.append(float(getattr(grad_norm, "full_tensor", lambda: grad_norm)()))
         optimizer.step()
         if after_step is not None:
             after_step()
