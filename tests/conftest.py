@@ -59,8 +59,12 @@ def plugin_env(path: Path | None = None, **env: str | None):
 
 
 def run_cli(*args: str, path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-    """Run ``python -m flowseam ARGS`` in a subprocess with extra sys.path entries and env."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
+    """Run ``python -m flowseam ARGS`` in a subprocess with extra sys.path entries and env.
+
+    Like the tests themselves (:func:`_clean_flowseam_env`), the subprocess sees no FLOWSEAM_*
+    variable but FLOWSEAM_DISABLE_PLUGINS, so the blocked-backend pass blocks its backends too."""
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith("FLOWSEAM_") or k == "FLOWSEAM_DISABLE_PLUGINS"}
     full.update(env)
     if path is not None:
         full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), full.get("PYTHONPATH")]))

@@ -119,6 +119,7 @@ def test_reason_names_everything_missing(monkeypatch):
     assert "cupy does not work: RuntimeError: libcudart.so.12 not found" in device.unavailable_reason()
 
 
+@pytest.mark.backends
 def test_flowseam_backends_lists_it():
     out = run_cli("backends", "--json")
     assert out.returncode == 0, out.stderr
@@ -126,10 +127,11 @@ def test_flowseam_backends_lists_it():
     if "cuda" not in rows:
         pytest.skip("cuda plugin not installed")
     row = rows["cuda"]
+    if row["status"] == "blocked":  # the blocked-backend pass: not even imported
+        assert row["distribution"] == "flowseam-cuda" and "FLOWSEAM_DISABLE_PLUGINS" in row["reason"]
+        return
     assert (row["distribution"], row["device"], row["priority"]) == ("flowseam-cuda", "cuda", 100)
     assert "flow_sde_step@sm80" in row["ops"] and "flow_sde_step@generic" in row["ops"]
-    if row["status"] == "blocked":
-        return
     if HAS_CUDA and HAS_CUPY:
         assert row["status"] == "active"
     else:

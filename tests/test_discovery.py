@@ -12,6 +12,9 @@ from conftest import plugin_env, run_cli
 import flowseam
 from flowseam import PluginLoadError
 
+#: discovery and the backend table depends on which backends are installed: rerun in the blocked-backend pass
+pytestmark = pytest.mark.backends
+
 
 def test_cpu_backend_is_found_through_its_installed_entry_point():
     eps = {ep.name: ep for ep in metadata.entry_points(group="flowseam.plugins")}

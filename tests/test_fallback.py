@@ -15,6 +15,9 @@ from flowseam import DiffusionParams, ops
 from flowseam.components import KINDS
 from flowseam.testing.tiny import write_tiny_checkpoint
 
+#: the fallback to cpu depends on which backends are installed: rerun in the blocked-backend pass
+pytestmark = pytest.mark.backends
+
 
 def _blocked() -> set[str]:
     raw = os.environ.get("FLOWSEAM_DISABLE_PLUGINS", "")

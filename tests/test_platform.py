@@ -12,6 +12,9 @@ from conftest import plugin_env
 import flowseam
 from flowseam import ComponentSpec, KernelPinError, ops
 
+#: platform resolution depends on which backends are installed: rerun in the blocked-backend pass
+pytestmark = pytest.mark.backends
+
 TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
                 out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1,
                 rope_max_seq_len=32)

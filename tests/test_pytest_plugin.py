@@ -50,6 +50,7 @@ def test_platform_fixture_runs_once_per_selected_backend(pytester):
                                         "flowseam backend cpu (flowseam-cpu *): available"])
 
 
+@pytest.mark.backends
 def test_default_is_every_installed_backend_unusable_ones_skipped_with_reason(pytester):
     with plugin_env() as reg:
         backends = reg.backends()

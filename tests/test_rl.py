@@ -237,15 +237,21 @@ def test_resume_is_bit_identical_and_a_crashed_save_keeps_the_previous(ckpts, cp
     assert all(torch.equal(a[n], p) for n, p in again.stage.policy.named_parameters())
 
 
+@pytest.mark.slow
 def test_informative_reward_beats_the_constant_reward_control(ckpts, cpu):
-    """Brightness reward for 30 steps raises the held-out mean brightness by more than the
-    seed-to-seed spread of the constant-reward control (whose weights cannot move)."""
+    """Brightness reward for a few steps raises the held-out mean brightness by more than the
+    seed-to-seed spread of the constant-reward control.
+
+    The control's weights cannot move (every advantage is 0: asserted bit for bit by
+    test_constant_reward_leaves_every_parameter_unchanged), so its held-out means are those of
+    the untrained model: the control is evaluated without spending a training run on it."""
     from flowseam.training.rewards import brightness
 
-    cfg = dict(prompts=["a ball"], group_size=4, steps=30, seed=0, sampling=SAMPLING,
+    # 10 steps: the gain passes the spread after 4 and is 3.5 spreads after 8 (measured); the
+    # former 30-step run cost 4 minutes on 2 cores for the same verdict
+    cfg = dict(prompts=["a ball"], group_size=4, steps=10, seed=0, sampling=SAMPLING,
                grpo=dict(beta=0.0, clip_range=0.2), optim=dict(lr=3e-3))
     control = FlowGRPO(dict(cfg, reward="constant"), model=flowseam.load(ckpts["flux.1-t2i"], platform=cpu))
-    control.run(progress=False)
     control.reward = brightness
     held_out = [list(range(1000 + 8 * k, 1008 + 8 * k)) for k in range(4)]
     control_means = [float(control.evaluate(s).mean()) for s in held_out]
@@ -314,6 +320,7 @@ def test_finetune_lowers_the_flow_matching_loss_and_saves_a_loadable_checkpoint(
         assert torch.equal(p, q), n
 
 
+@pytest.mark.slow
 def test_train_cli(ckpts, tmp_path):
     from conftest import run_cli
 

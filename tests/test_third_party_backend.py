@@ -47,6 +47,7 @@ def _failed(stdout: str) -> set[str]:
     return set(re.findall(r"^FAILED \S+::(\S+)", stdout, flags=re.M))
 
 
+@pytest.mark.backends
 def test_discovered_through_its_entry_point(vendor_dir):
     with plugin_env(vendor_dir) as reg:
         rec = reg.records["tinyvendor"]
@@ -60,6 +61,7 @@ def test_discovered_through_its_entry_point(vendor_dir):
     assert rows["tinyvendor_bad"]["ops"] == ["flow_sde_step@generic"]
 
 
+@pytest.mark.backends
 def test_overrides_one_kernel_and_one_component_and_the_rest_falls_back(vendor_dir, tmp_path):
     ckpt = write_tiny_checkpoint("wan2.1-t2v", tmp_path / "wan")
     with plugin_env(vendor_dir) as reg:
@@ -83,6 +85,7 @@ def test_overrides_one_kernel_and_one_component_and_the_rest_falls_back(vendor_d
         assert out.frames.shape == (1, 5, 32, 32, 3)
 
 
+@pytest.mark.slow
 def test_conformance_suite_passes_with_the_backends_expected_failures(vendor_dir, tmp_path):
     proc = conformance(vendor_dir, "tinyvendor", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
