@@ -20,6 +20,13 @@ SAMPLING = dict(num_steps=3, height=32, width=32, max_sequence_length=16)
 #: differently; the group-relative advantage divides reward differences by their std, so its
 #: relative error is larger than the rewards'
 TOL = dict(rewards=1e-5, advantages=1e-3, weights=1e-5)
+#: AdamW's eps in these comparisons is at the scale of the gradients (elements ~1e-4..1e-2 after
+#: clipping to norm 1): Adam moves an element by about lr * g / (|g| + eps), which with the default
+#: eps = 1e-8 turns an element whose gradient is at float noise (~1e-8, a bias feeding a norm)
+#: into a move of up to ±lr on rounding alone (seen: 1e-3 with lr = 1e-3) and hides a wrongly
+#: scaled gradient (a missing factor of the world size) entirely. With lr / eps = 1 the update is
+#: 1-Lipschitz in g, so the weights agree as well as the gradients do (~1e-6)
+OPTIM = dict(lr=1e-3, adam_eps=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +93,7 @@ def test_two_ranks_equal_one_rank_flowgrpo(flux, tmp_path):
     cfg = dict(model=str(flux), backend="cpu", prompts=["a ball", "a box", "a cup"],
                reward="brightness", group_size=4, prompts_per_step=2, steps=2, seed=3,
                checkpoint_every=2, sampling=SAMPLING, grpo=dict(beta=0.04, clip_range=0.2),
-               optim=dict(lr=1e-3))
+               optim=OPTIM)
     two = _toml(tmp_path / "two.toml", dict(cfg, output_dir=str(tmp_path / "two")))
     r = run_cli("train", "--method", "flowgrpo", "--config", str(two), "--nproc", "2")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -117,3 +124,76 @@ def test_two_ranks_equal_one_rank_flowgrpo(flux, tmp_path):
     moved = max(float((w1[n] - start[n]).abs().max()) for n in w1)
     diff = max(float((w2[n] - w1[n]).abs().max()) for n in w1)
     assert moved > 1e-4 and diff <= TOL["weights"], (moved, diff)  # trained, and equally
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_workflow_rl_finetune_and_fsdp(flux, tmp_path):
+    """One torchrun job of 2 ranks (the library API under torchrun) runs workflow_rl (groups
+    split whole over the ranks), finetune (the batch split by rows) and flowgrpo with FSDP2
+    (a sharded policy and reference); each equals the same run on one process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from flowseam.training import get_method
+
+    i2v = write_tiny_checkpoint("wan2.1-i2v", tmp_path / "wan-i2v")
+    rng = np.random.RandomState(0)
+    for i in range(4):
+        np.save(tmp_path / f"x{i}.npy", np.clip(rng.rand(1, 32, 32, 3) * 0.3 + i / 5, 0, 1).astype(np.float32))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"digit {i}", "video": f"x{i}.npy"}) + "\n"
+                                                 for i in range(4)))
+    grpo = dict(beta=0.04, clip_range=0.2)
+    jobs = {
+        "workflow_rl": dict(t2i_model=str(flux), i2v_model=str(i2v), t2i_backend="cpu", i2v_backend="cpu",
+                            prompts=["a ball", "a box"], group_size=3, prompts_per_step=2, steps=1, seed=1,
+                            t2i_sampling=dict(num_steps=2, height=32, width=32, max_sequence_length=16),
+                            i2v_sampling=dict(num_steps=2, height=32, width=32, num_frames=5),
+                            grpo=grpo, optim=OPTIM),
+        "finetune": dict(model=str(flux), backend="cpu", data=str(tmp_path / "data.jsonl"), steps=2,
+                         batch_size=4, seed=2, optim=OPTIM,
+                         train=dict(p_uncond=0.5, sigma_sampling="uniform")),
+        "flowgrpo": dict(model=str(flux), backend="cpu", prompts=["a ball"], group_size=2, steps=2,
+                         seed=4, sampling=dict(SAMPLING, num_steps=2), grpo=grpo, optim=OPTIM,
+                         distributed=dict(fsdp=True)),
+    }
+    spec = [{"method": m, "config": dict(c, output_dir=str(tmp_path / f"two-{m}")),
+             "weights": str(tmp_path / f"two-{m}.safetensors")} for m, c in jobs.items()]
+    (tmp_path / "jobs.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
+    helper = Path(__file__).parent / "helpers" / "distributed_job.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(helper), str(tmp_path / "jobs.json")], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+    for name, cfg in jobs.items():
+        flowseam.plugins._CACHE = None
+        one = get_method(name)(dict(cfg, output_dir=str(tmp_path / f"one-{name}"),
+                                    distributed={}))
+        one.run(progress=False)
+        m2 = read_metrics(tmp_path / f"two-{name}" / "metrics.jsonl")
+        m1 = read_metrics(tmp_path / f"one-{name}" / "metrics.jsonl")
+        assert len(m2) == len(m1) == cfg["steps"], name
+        for a, b in zip(m2, m1):
+            for key, value in b.items():
+                if key.startswith("seconds_") or not isinstance(value, float):
+                    continue
+                rel = TOL["rewards"] if key.startswith(("reward", "loss")) else TOL["advantages"]
+                assert a[key] == pytest.approx(value, rel=rel, abs=1e-7), (name, key)
+            devs = [v for k, v in a.items() if k.endswith("ratio_dev_first_epoch_by_rank")]
+            assert len(devs) == (2 if name == "workflow_rl" else 0 if name == "finetune" else 1), name
+            assert all(len(d) == 2 and max(d) <= 1e-6 for d in devs), (name, devs)  # C2 per rank
+        two = load_file(str(tmp_path / f"two-{name}.safetensors"))
+        stages = getattr(one, "stages", None) or [one.stage]
+        mine = {f"{s.name}.{k}": v for s in stages for k, v in s.model.dit.state_dict().items()}
+        assert two.keys() == mine.keys()
+        diff = max(float((two[k] - mine[k]).abs().max()) for k in mine)
+        assert diff <= TOL["weights"], (name, diff)
+        assert any(not torch.equal(mine[k], v) for k, v in
+                   {f"{s.name}.{k}": v for s in stages for k, v in
+                    flowseam.load(s.model.path, platform=flowseam.Platform("cpu")).dit.state_dict().items()}.items()), name

@@ -303,6 +303,32 @@ class DataParallel:
         return torch.device("cpu")
 
 
+#: the ``[distributed]`` config table every method accepts
+DISTRIBUTED_DEFAULTS = dict(fsdp=False)
+
+
+def data_parallel(config: dict[str, Any]) -> DataParallel:
+    """This process's :class:`DataParallel` for a method's ``config`` (its ``[distributed]``
+    table: ``fsdp``), before any model loads.
+
+    :raises FlowseamError: for unknown keys, ``fsdp`` on one process, or ``fsdp`` with checkpoints
+        (``checkpoint_every`` > 0, or a checkpoint to resume from in ``output_dir``): saving and
+        restoring sharded optimizer state is not implemented yet.
+    """
+    from pathlib import Path
+
+    from .config import section
+
+    options = section(config, "distributed", DISTRIBUTED_DEFAULTS)
+    if options["fsdp"]:
+        resumable = config.get("output_dir") and (Path(config["output_dir"]) / "checkpoints" / "latest").exists()
+        if config.get("checkpoint_every") or resumable:
+            raise FlowseamError("fsdp = true with checkpoints (checkpoint_every > 0, or resuming from "
+                                f"{config.get('output_dir')}) is not implemented yet: use DDP "
+                                "(fsdp = false) or checkpoint_every = 0 and a new output_dir")
+    return DataParallel.from_env(**options)
+
+
 def full_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """``module``'s parameters (and buffers) as whole, plain CPU tensors, by name.
 

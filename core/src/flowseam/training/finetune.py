@@ -26,6 +26,11 @@ Config::
     [train]    p_uncond = 0.1, sigma_sampling = "logit_normal" | "uniform", max_grad_norm = 1.0,
                lr_schedule = "constant" | "cosine" (linear warm-up, then cosine to 0), warmup_steps = 0
     [optim]    lr, weight_decay, beta1, beta2, adam_eps
+    [distributed] fsdp = false (with --nproc N / torchrun; see flowgrpo)
+
+Data parallelism (``--nproc N`` / torchrun): every rank draws the same batch of ``batch_size``
+examples and computes the loss of its ``batch_size / N`` rows; gradients are averaged over ranks
+(the same gradient as one process's), rank 0 writes metrics, checkpoints and the model.
 """
 
 from __future__ import annotations
@@ -48,10 +53,12 @@ from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, run_training
 from .config import section
+from .distributed import DataParallel, data_parallel, whole
 from .flowgrpo import check_top
 
 TOP_DEFAULTS = dict(model=None, backend=None, data=None, steps=100, batch_size=4, seed=0,
-                    output_dir=None, checkpoint_every=0, sampling={}, train={}, optim={}, lora={})
+                    output_dir=None, checkpoint_every=0, sampling={}, train={}, optim={}, lora={},
+                    distributed={})
 TRAIN_DEFAULTS = dict(p_uncond=0.1, sigma_sampling="logit_normal", max_grad_norm=1.0,
                       lr_schedule="constant", warmup_steps=0)
 SAMPLING_DEFAULTS = dict(height=None, width=None, num_frames=None, guidance_scale=None,
@@ -132,22 +139,31 @@ class Finetune:
             raise FlowseamError(f"lr_schedule={self.train_cfg['lr_schedule']!r}; allowed: "
                                 "'constant', 'cosine'")
         self.sampling = section(cfg, "sampling", SAMPLING_DEFAULTS)
+        self.dp = data_parallel(cfg)
+        self.check_world_size(cfg, self.dp.world_size)
         if model is None:
             if not cfg["model"]:
                 raise FlowseamError("config needs model = <checkpoint directory>")
-            model = load(cfg["model"], platform=Platform(cfg["backend"]) if cfg["backend"] else None)
+            model = load(cfg["model"], platform=self.dp.platform(
+                lambda: Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()))
         self.model = model
         self.dataset = list(dataset) if dataset is not None else read_dataset(cfg["data"] or "")
         if cfg["batch_size"] < 1:
             raise FlowseamError(f"batch_size={cfg['batch_size']} must be >= 1")
         self.optim = section(cfg, "optim", OPTIM_DEFAULTS)
         self.stage = Stage.create("dit", model, self.optim, section(cfg, "lora", LORA_DEFAULTS),
-                                  with_reference=False)
+                                  with_reference=False, dp=self.dp)
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"])
+                              cfg["checkpoint_every"], writer=self.dp.is_main)
         self.step = 0
         self.progress = True
         self.examples: list[Example] | None = None  # filled by prepare()
+
+    @staticmethod
+    def check_world_size(config: dict[str, Any], world_size: int) -> None:
+        """:raises FlowseamError: if ``batch_size`` does not split evenly over ``world_size``
+        ranks (checked by ``flowseam train --nproc`` before the ranks start)."""
+        DataParallel(world_size=world_size).shard_rows(config.get("batch_size", TOP_DEFAULTS["batch_size"]))
 
     # -- encoding, once per example --------------------------------------------------------------
     def _params(self, frames: np.ndarray) -> DiffusionParams:
@@ -236,7 +252,7 @@ class Finetune:
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1.0 - s) * x0 + s * eps
         v = model.velocity(x_t, sigma * 1000.0, model.stack_conditions(conds), params,
-                           dit=self.stage.policy)
+                           dit=self.stage.trainer)
         return torch.nn.functional.mse_loss(v.float(), (eps - x0).float())
 
     def loss(self, prompt: str, frames: np.ndarray, seed: int) -> torch.Tensor:
@@ -270,26 +286,32 @@ class Finetune:
             range(len(examples)), k=min(cfg["batch_size"], len(examples)))
         seeds = [derive_seed(cfg["seed"], self.step, i) for i in range(len(order))]
         groups: dict[DiffusionParams, list[int]] = {}
-        for i, idx in enumerate(order):
-            groups.setdefault(examples[idx].params, []).append(i)
+        for i in self.dp.shard_rows(len(order), "the batch (batch_size, or the dataset size)"):
+            groups.setdefault(examples[order[i]].params, []).append(i)  # this rank's rows
+        if self.dp.fsdp and len(groups) > 1:  # FSDP ranks must run the same number of forwards
+            raise FlowseamError("fsdp = true needs every example of a batch to have the same size "
+                                f"(one forward per step); this batch has {len(groups)} sizes")
         lr = self.learning_rate(self.step)
         for group in self.stage.optimizer.param_groups:
             group["lr"] = lr
         with timer("update"):
             self.stage.optimizer.zero_grad(set_to_none=True)
             total = 0.0
-            for rows in groups.values():
-                loss = self.batch_loss([examples[order[i]] for i in rows], [seeds[i] for i in rows])
-                loss = loss * (len(rows) / len(order))
-                loss.backward()
-                total += float(loss.detach())
+            for n, rows in enumerate(groups.values()):
+                with self.dp.accumulate(self.stage.trainer, sync=n == len(groups) - 1):
+                    loss = self.batch_loss([examples[order[i]] for i in rows], [seeds[i] for i in rows])
+                    # the batch mean; × world size because DDP/FSDP average gradients over ranks
+                    loss = loss * (len(rows) / len(order)) * self.dp.world_size
+                    loss.backward()
+                total += float(loss.detach()) / self.dp.world_size
+            total = self.dp.sum(total)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.stage.policy.parameters() if p.requires_grad], self.train_cfg["max_grad_norm"])
             self.stage.optimizer.step()
         with timer("sync"):
             self.stage.sync.sync()
         self.step += 1
-        record = {"step": self.step, "loss": total, "grad_norm": float(grad_norm), "lr": lr,
+        record = {"step": self.step, "loss": total, "grad_norm": float(whole(grad_norm)), "lr": lr,
                   "weights_version": self.stage.sync.version,
                   **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
         self.files.write(record)
@@ -299,10 +321,11 @@ class Finetune:
     def run(self, progress: bool = True) -> dict[str, Any]:
         """Train for ``steps`` steps; with an ``output_dir``, save the trained checkpoint to
         ``output_dir/model`` (diffusers format, atomically)."""
-        self.progress = progress
+        self.progress = progress and self.dp.is_main
         self.prepare()
         records = run_training(self, [self.stage], "finetune", "loss")
-        saved = self.save(self.files.output_dir / "model") if self.files.output_dir else None
+        saved = (self.save(self.files.output_dir / "model")
+                 if self.files.output_dir and self.dp.is_main else None)
         return {"steps": self.step, "records": records, "model": str(saved) if saved else None}
 
     def save(self, path: str | Path) -> Path:
@@ -315,7 +338,9 @@ class Finetune:
         shutil.copytree(self.model.path, tmp)
         sub = tmp / self.model.DIT
         shutil.rmtree(sub)
-        self.stage.policy.save_pretrained(sub)
+        # the rollout copy holds the policy's weights after every step's sync, whole even when
+        # the policy itself is FSDP-sharded
+        self.model.dit.save_pretrained(sub)
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)

@@ -59,7 +59,7 @@ from .common import (
     run_training,
 )
 from .config import section
-from .distributed import DataParallel
+from .distributed import DataParallel, data_parallel
 from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import score
 
@@ -69,7 +69,6 @@ TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness",
 SAMPLING_DEFAULTS = dict(num_steps=4, height=None, width=None, num_frames=None, guidance_scale=None,
                          noise_level=0.7, sde_window=None, flow_shift=None, negative_prompt=None,
                          max_sequence_length=None)
-DISTRIBUTED_DEFAULTS = dict(fsdp=False)
 
 
 def check_top(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +101,7 @@ class FlowGRPO:
         self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
         optim = section(cfg, "optim", OPTIM_DEFAULTS)
         lora = section(cfg, "lora", LORA_DEFAULTS)
-        self.dp = DataParallel.from_env(**section(cfg, "distributed", DISTRIBUTED_DEFAULTS))
+        self.dp = data_parallel(cfg)
         self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
         if model is None:
             if not cfg["model"]:
@@ -127,9 +126,9 @@ class FlowGRPO:
     @staticmethod
     def check_world_size(config: dict[str, Any], world_size: int) -> None:
         """:raises FlowseamError: if a step's samples do not split evenly over ``world_size``
-        ranks (checked before the ranks start)."""
-        cfg = check_top(config, TOP_DEFAULTS)
-        DataParallel(world_size=world_size).shard_groups(cfg["prompts_per_step"], cfg["group_size"])
+        ranks (checked by ``flowseam train --nproc`` before the ranks start)."""
+        G = config.get("prompts_per_step", TOP_DEFAULTS["prompts_per_step"])
+        DataParallel(world_size=world_size).shard_groups(G, config.get("group_size", TOP_DEFAULTS["group_size"]))
 
     # -- one step ---------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[list[Trajectory], list, list[str]]:

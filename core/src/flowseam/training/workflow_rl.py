@@ -25,6 +25,11 @@ Config::
     [t2i_optim] / [i2v_optim]        per-stage overrides of [optim] (e.g. a smaller T2I lr: the
                                      T2I stage gets its credit only through the video, so its
                                      gradient estimate is the noisier of the two)
+    [distributed]                    fsdp = false (as for flowgrpo)
+
+Data parallelism (``--nproc N`` / torchrun) as for flowgrpo: each rank rolls out its share of
+the step's groups through both stages, the final-video rewards are gathered over whole groups,
+both stages' gradients are averaged over ranks, rank 0 writes.
 
 A run resumed from a checkpoint continues with the optimizer state it saved, learning rates
 included (as ``torch.optim.Optimizer.load_state_dict`` restores them): change an lr by starting a
@@ -58,20 +63,21 @@ from .common import (
     run_training,
 )
 from .config import section
-from .flowgrpo import SAMPLING_DEFAULTS, check_top, sampling_params
-from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, group_advantages, ppo_update
+from .distributed import DataParallel, data_parallel
+from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_top, sampling_params
+from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import score
 
 TOP_DEFAULTS = dict(t2i_model=None, i2v_model=None, t2i_backend=None, i2v_backend=None, prompts=None,
                     reward="brightness", reward_args={}, group_size=4, prompts_per_step=1, steps=10,
                     seed=0, output_dir=None, checkpoint_every=0, t2i_sampling={}, i2v_sampling={},
-                    grpo={}, optim={}, t2i_optim={}, i2v_optim={}, lora={})
+                    grpo={}, optim={}, t2i_optim={}, i2v_optim={}, lora={}, distributed={})
 
 
-def _load(path: str | None, backend: str | None, what: str) -> ModelInstance:
+def _load(path: str | None, backend: str | None, what: str, dp: DataParallel) -> ModelInstance:
     if not path:
         raise FlowseamError(f"config needs {what}_model = <checkpoint directory>")
-    return load(path, platform=Platform(backend) if backend else Platform.detect())
+    return load(path, platform=dp.platform(lambda: Platform(backend) if backend else Platform.detect()))
 
 
 class WorkflowRL:
@@ -85,8 +91,10 @@ class WorkflowRL:
         require_group_size(cfg["group_size"])
         if not cfg["prompts"] or not all(isinstance(p, str) for p in cfg["prompts"]):
             raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of strings")
-        self.t2i = t2i or _load(cfg["t2i_model"], cfg["t2i_backend"], "t2i")
-        self.i2v = i2v or _load(cfg["i2v_model"], cfg["i2v_backend"], "i2v")
+        self.dp = data_parallel(cfg)
+        self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
+        self.t2i = t2i or _load(cfg["t2i_model"], cfg["t2i_backend"], "t2i", self.dp)
+        self.i2v = i2v or _load(cfg["i2v_model"], cfg["i2v_backend"], "i2v", self.dp)
         if TaskType.T2I not in self.t2i.card.tasks or TaskType.I2V not in self.i2v.card.tasks:
             raise FlowseamError(f"workflow_rl needs a text-to-image then an image-to-video model; got "
                                 f"{self.t2i.card.name} and {self.i2v.card.name}")
@@ -95,11 +103,11 @@ class WorkflowRL:
         self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
         optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
         self.stages = [Stage.create(name, model, section(cfg, f"{name}_optim", optim), lora,
-                                    with_reference=self.grpo.beta > 0)
+                                    with_reference=self.grpo.beta > 0, dp=self.dp)
                        for name, model in (("t2i", self.t2i), ("i2v", self.i2v))]
         self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"])
+                              cfg["checkpoint_every"], writer=self.dp.is_main)
         self.step = 0
         self.progress = True
         self.skipped_groups = 0
@@ -118,32 +126,38 @@ class WorkflowRL:
                   for k, s in enumerate(seeds)]
         return images, videos, torch.cat([torch.from_numpy(v.frames) for v in videos]).numpy()
 
+    check_world_size = staticmethod(FlowGRPO.check_world_size)
+
     def train_step(self) -> dict[str, Any]:
         timer = Timer()
-        cfg, K = self.config, self.config["group_size"]
+        cfg = self.config
         groups = []
-        with timer("rollout"):
-            for i in range(cfg["prompts_per_step"]):
+        with timer("rollout"):  # this rank's members of each group it holds (all on one process)
+            for i, members in self.shard.parts():
                 prompt = cfg["prompts"][(self.step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
-                seeds = [derive_seed(cfg["seed"], self.step, i, k) for k in range(K)]
+                seeds = [derive_seed(cfg["seed"], self.step, i, k) for k in members]
                 groups.append((prompt, *self.rollout_group(prompt, seeds)))
         with timer("reward"):
-            rewards = torch.stack([score(self.reward, [p] * K, videos) for p, _, _, videos in groups])
+            local = torch.stack([score(self.reward, [p] * len(videos), videos) for p, _, _, videos in groups])
+            rewards = self.shard.gather(local)  # (G, K) on every rank: whole groups
         adv, valid, adv_stats = group_advantages(rewards, self.grpo)
         if adv_stats["groups_skipped_nan"]:
             self.skipped_groups += adv_stats["groups_skipped_nan"]
             warnings.warn(f"step {self.step}: reward returned NaN for {adv_stats['groups_skipped_nan']} "
                           "group(s); skipped them", stacklevel=2)
+        trained = (adv != 0).any(dim=1)  # groups with a finite reward and a non-zero std
         t2i_traj, i2v_traj = [], []
-        for (prompt, images, videos, _), a, ok in zip(groups, adv, valid):
-            a = a if ok else torch.zeros_like(a)
-            t2i_traj.append(Trajectory(self.t2i, images, a))
-            i2v_traj += [Trajectory(self.i2v, v, a[k:k + 1]) for k, v in enumerate(videos)]
-        stats = {}
+        for (prompt, images, videos, _), a, g in zip(groups, self.shard.local(adv), self.shard.groups):
+            t2i_traj.append(Trajectory(self.t2i, images, a, bool(trained[g])))
+            i2v_traj += [Trajectory(self.i2v, v, a[k:k + 1], bool(trained[g]))
+                         for k, v in enumerate(videos)]
+        stats, per_rank = {}, {}
         with timer("update"):
             for stage, trajs in zip(self.stages, (t2i_traj, i2v_traj)):
-                stats[stage.name] = ppo_update(stage.policy, stage.reference, trajs, stage.optimizer,
-                                               self.grpo, seed=derive_seed(cfg["seed"], self.step, 99))
+                mine = ppo_update(stage.trainer, stage.reference, trajs, stage.optimizer, self.grpo,
+                                  seed=derive_seed(cfg["seed"], self.step, 99), dp=self.dp)
+                per_rank[stage.name] = self.dp.gather_objects(mine)
+                stats[stage.name] = UpdateStats.merged(per_rank[stage.name])
         with timer("sync"):
             for stage in self.stages:
                 if stats[stage.name].grad_norms:
@@ -156,6 +170,8 @@ class WorkflowRL:
                   "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
                   **adv_stats, "groups_skipped_nan_total": self.skipped_groups,
                   **{k: v for s in self.stages for k, v in stats[s.name].summary(f"{s.name}_").items()},
+                  **{k: v for s in self.stages
+                     for k, v in UpdateStats.by_rank(per_rank[s.name], f"{s.name}_").items()},
                   **{f"{s.name}_weights_version": s.sync.version for s in self.stages},
                   **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
         self.files.write(record)
