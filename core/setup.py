@@ -47,7 +47,9 @@ setup(
         "cuda": [_plugin("cuda", "flowseam-cuda", "[cupy]")],
         "accel": [_plugin("accel", "flowseam-accel")],
         "lora": ["peft>=0.13"],
-        "test": ["pytest>=8", "peft>=0.13"],
+        # rollout fleets (flowseam.training.fleet): rollout and reward workers as Ray actors
+        "ray": ["ray>=2.40"],
+        "test": ["pytest>=8", "peft>=0.13", "ray>=2.40"],
         # `flowseam demo`: the digits data and classifier (scikit-learn), the reward plot, LoRA
         "demo": ["scikit-learn>=1.3", "matplotlib>=3.7", "peft>=0.13"],
     },

@@ -129,7 +129,7 @@ def test_flowgrpo_first_inner_epoch_ratio_is_one(ckpts, cpu):
 
 def test_recompute_pins_the_rollout_kernel(ckpts, cpu):
     g = _grpo(ckpts, cpu)
-    trajs, results, prompts = g.rollout(0)
+    trajs, results, prompts, _ = g.rollout(0)
     trajs[0].advantages = torch.tensor([1.0, -1.0, 0.5])
     trajs[0].result.records[0].impl_id = "cuda:flow_sde_step:cuda:sm90:flowseam-cuda==0.1.0"
     from flowseam.training.grpo import ppo_update

@@ -20,6 +20,10 @@ Config (TOML/YAML or dict)::
     checkpoint_every = 10              # 0: never
     [distributed] fsdp = false         # with --nproc N / torchrun: shard the trainer (FSDP2)
                                        # instead of replicating it (DDP); see below
+    [ray]       rollout_workers = 0    # > 0: roll out on a Ray fleet (see below)
+                reward_workers = 0     # > 0: score in reward actors
+                address, num_cpus, num_gpus (per rollout worker; num_gpus = 1: one per GPU),
+                placement = "PACK", reward_num_cpus, reward_num_gpus
     [sampling]  num_steps, height, width, num_frames, guidance_scale, noise_level, flow_shift,
                 negative_prompt, max_sequence_length, sde_window = [start, end] (SDE only on
                 those steps, ODE elsewhere; trains on them: Flow-GRPO-Fast)
@@ -31,6 +35,12 @@ Data parallelism (``flowseam train --nproc N`` or under ``torchrun``): each rank
 share of every step's ``prompts_per_step`` × ``group_size`` samples (the seeds are the same as on
 one process), the rewards are gathered so advantages are computed over whole groups, gradients
 are averaged over ranks, rank 0 writes metrics and checkpoints (:mod:`.distributed`).
+
+Rollout fleet (``[ray] rollout_workers = N``): the step's rollouts run on N Ray actors built from
+this process's frozen Platform, each group split over the workers (every member keeps its seed);
+the trainer recomputes log-probs with the pinned kernels and pushes each new weights version to
+the fleet with its checksum; a stale worker is detected, a dead one replaced and its share re-run
+(:mod:`.fleet`). One process drives the fleet: ``[ray]`` and ``--nproc`` do not combine.
 """
 
 from __future__ import annotations
@@ -60,12 +70,14 @@ from .common import (
 )
 from .config import section
 from .distributed import DataParallel, data_parallel
+from .fleet import RAY_DEFAULTS, fleet_from_config
 from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import score
 
 TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness", reward_args={},
                     group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
-                    checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={}, distributed={})
+                    checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={}, distributed={},
+                    ray={})
 SAMPLING_DEFAULTS = dict(num_steps=4, height=None, width=None, num_frames=None, guidance_scale=None,
                          noise_level=0.7, sde_window=None, flow_shift=None, negative_prompt=None,
                          max_sequence_length=None)
@@ -103,6 +115,10 @@ class FlowGRPO:
         lora = section(cfg, "lora", LORA_DEFAULTS)
         self.dp = data_parallel(cfg)
         self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
+        ray_options = section(cfg, "ray", RAY_DEFAULTS)
+        if ray_options["rollout_workers"] and self.dp.world_size > 1:
+            raise FlowseamError("[ray] rollout_workers with several ranks is not implemented: one "
+                                "process drives a rollout fleet (drop --nproc, or the [ray] table)")
         if model is None:
             if not cfg["model"]:
                 raise FlowseamError("config needs model = <checkpoint directory>")
@@ -118,6 +134,10 @@ class FlowGRPO:
                                   dp=self.dp)
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"], writer=self.dp.is_main)
+        self.fleet = fleet_from_config(model, ray_options, lora, self.reward)
+        if self.fleet is not None:  # the fleet receives every weights version from now on
+            self.stage.sync.receivers.append(self.fleet)
+            self.fleet.push(self.stage.sync.update())
         self.step = 0
         self.progress = True
         self.last_stats = None
@@ -131,30 +151,41 @@ class FlowGRPO:
         DataParallel(world_size=world_size).shard_groups(G, config.get("group_size", TOP_DEFAULTS["group_size"]))
 
     # -- one step ---------------------------------------------------------------------------
-    def rollout(self, step: int) -> tuple[list[Trajectory], list, list[str]]:
-        """This process's SDE rollouts of step ``step``: for each prompt (group) of the step it
-        holds, one batch of its members (every member of every group on one process)."""
+    def rollout(self, step: int) -> tuple[list[Trajectory], list, list[str], list | None]:
+        """This process's SDE rollouts of step ``step``: for each group (prompt) of the step it
+        holds, one batch of its members — split into one batch per worker on a rollout fleet.
+
+        :returns: ``(trajectories, results, prompts, rewards)``, one entry per batch, in group
+            then member order; ``rewards`` are the fleet's reward workers' scores (else None).
+        """
         cfg = self.config
         params = sampling_params(self.sampling)
-        trajectories, results, prompts = [], [], []
+        requests, prompts = [], []
         for i, members in self.shard.parts():
             prompt = cfg["prompts"][(step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
-            seeds = [derive_seed(cfg["seed"], step, i, k) for k in members]
-            request = GenerationRequest([prompt] * len(members), self.model.card.task, params, seeds=seeds)
-            result = run_loop(self.model, request, profile=ExecutionProfile.ROLLOUT)
-            trajectories.append(Trajectory(self.model, result, torch.zeros(len(members))))
-            prompts.append(prompt)
-            results.append(result)
-        return trajectories, results, prompts
+            for part in _split(members, self.fleet.size if self.fleet else 1):
+                seeds = [derive_seed(cfg["seed"], step, i, k) for k in part]
+                requests.append(GenerationRequest([prompt] * len(part), self.model.card.task, params,
+                                                  seeds=seeds))
+                prompts.append(prompt)
+        if self.fleet is None:
+            results = [run_loop(self.model, r, profile=ExecutionProfile.ROLLOUT) for r in requests]
+            rewards = None
+        else:
+            results, rewards = self.fleet.rollout(
+                requests, [[p] * len(r.seeds) for p, r in zip(prompts, requests)])
+        trajectories = [Trajectory(self.model, r, torch.zeros(len(r.seeds))) for r in results]
+        return trajectories, results, prompts, rewards
 
     def train_step(self) -> dict[str, Any]:
         """One Flow-GRPO step; returns its metrics (also written to metrics.jsonl)."""
         timer = Timer()
         with timer("rollout"):
-            trajectories, results, prompts = self.rollout(self.step)
+            trajectories, results, prompts, scored = self.rollout(self.step)
         with timer("reward"):
-            local = torch.stack([score(self.reward, [p] * len(r.seeds), r.frames)
-                                 for p, r in zip(prompts, results)])
+            if scored is None:
+                scored = [score(self.reward, [p] * len(r.seeds), r.frames) for p, r in zip(prompts, results)]
+            local = torch.cat(scored).view(len(self.shard.groups), len(self.shard.members))
             rewards = self.shard.gather(local)  # (G, K) on every rank: whole groups
         adv, valid, adv_stats = group_advantages(rewards, self.grpo)
         if adv_stats["groups_skipped_nan"]:
@@ -162,8 +193,12 @@ class FlowGRPO:
             warnings.warn(f"step {self.step}: reward returned NaN for {adv_stats['groups_skipped_nan']} "
                           "group(s); skipped them (no update from those samples)", stacklevel=2)
         trained = (adv != 0).any(dim=1)  # groups with a finite reward and a non-zero std
-        for traj, a, g in zip(trajectories, self.shard.local(adv), self.shard.groups):
-            traj.advantages, traj.trained = a, bool(trained[g])
+        rows, start = self.shard.local(adv).flatten(), 0
+        for traj in trajectories:  # batches in group then member order
+            n = len(traj.advantages)
+            traj.advantages = rows[start:start + n]
+            traj.trained = bool(trained[self.shard.groups[start // len(self.shard.members)]])
+            start += n
         with timer("update"):
             stats = ppo_update(self.stage.trainer, self.stage.reference, trajectories,
                                self.stage.optimizer, self.grpo, seed=derive_seed(self.config["seed"], self.step, 99),
@@ -192,6 +227,13 @@ class FlowGRPO:
         records = run_training(self, [self.stage], "flowgrpo", "reward_mean")
         return {"steps": self.step, "records": records, "weights_version": self.stage.sync.version}
 
+    def close(self) -> None:
+        """Shut the rollout fleet down (if any)."""
+        if self.fleet is not None:
+            self.stage.sync.receivers.remove(self.fleet)
+            self.fleet.shutdown()
+            self.fleet = None
+
     def evaluate(self, seeds: list[int], prompts: list[str] | None = None) -> torch.Tensor:
         """Mean reward per seed of ODE (serve) samples from the rollout instance: ``(len(seeds),)``."""
         params = sampling_params(self.sampling).replace(sde_rollout=False)
@@ -201,3 +243,15 @@ class FlowGRPO:
             frames = run_loop(self.model, request).frames
             out.append(score(self.reward, [prompt] * len(seeds), frames))
         return torch.stack(out).mean(dim=0)
+
+
+def _split(members: list[int], parts: int) -> list[list[int]]:
+    """``members`` in at most ``parts`` contiguous, near-equal, non-empty pieces."""
+    size, extra = divmod(len(members), parts)
+    out, start = [], 0
+    for p in range(parts):
+        n = size + (p < extra)
+        if n:
+            out.append(members[start:start + n])
+        start += n
+    return out
