@@ -41,6 +41,12 @@ setup(
         "pillow>=10",
         "imageio>=2.31",
         "imageio-ffmpeg>=0.5",
+        "psutil>=5.9",
+        # flowseam serve: the ASGI stack, multipart uploads, /metrics
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "python-multipart>=0.0.9",
+        "prometheus-client>=0.20",
         _plugin("cpu", "flowseam-cpu"),
     ],
     extras_require={
@@ -49,7 +55,9 @@ setup(
         "lora": ["peft>=0.13"],
         # rollout fleets (flowseam.training.fleet): rollout and reward workers as Ray actors
         "ray": ["ray>=2.40"],
-        "test": ["pytest>=8", "peft>=0.13", "ray>=2.40"],
+        # openai: the official SDK drives the server tests (videos API from 2.3);
+        # playwright: drives the system chromium for the web page test (no browser download)
+        "test": ["pytest>=8", "peft>=0.13", "ray>=2.40", "openai>=2.3", "playwright>=1.40"],
         # `flowseam demo`: the digits data and classifier (scikit-learn), the reward plot, LoRA
         "demo": ["scikit-learn>=1.3", "matplotlib>=3.7", "peft>=0.13"],
     },

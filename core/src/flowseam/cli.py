@@ -67,8 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # each stage keeps its own platform resolution (a second --backend sets stage 2's)
         t2i, i2v = load(args.model[0], platform=platform), load(args.model[1], platform=platforms[-1])
         workflow = WORKFLOWS[args.workflow](t2i, i2v)
-        image_params = params.replace(num_frames=None, negative_prompt=None)
-        result = workflow.run(args.prompt, t2i_params=image_params, i2v_params=params,
+        image_params, video_params = workflow.stage_params(params)
+        result = workflow.run(args.prompt, t2i_params=image_params, i2v_params=video_params,
                               seed=args.seed, progress=True)
         frames, models = result.frames, [t2i, i2v]
     else:
@@ -126,6 +126,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config.get("output_dir"):
         print(f"metrics: {config['output_dir']}/metrics.jsonl")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the models over HTTP (see flowseam.serve)."""
+    import os
+
+    from .serve.server import ServeOptions, run
+
+    return run(ServeOptions(
+        models=args.model, workflow=args.workflow, backends=args.backend or [], host=args.host,
+        port=args.port, api_key=args.api_key or os.environ.get("FLOWSEAM_API_KEY"),
+        max_queue=args.max_queue, max_batch=args.max_batch, output_dir=args.output_dir,
+        expire_after=args.expire_after, max_upload_mb=args.max_upload_mb,
+        log_level=args.log_level))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -205,6 +219,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel training on N ranks of this machine (torchrun: gloo on CPU, "
                         "nccl on GPU, one GPU per rank); rank 0 writes metrics and checkpoints")
     t.set_defaults(func=cmd_train)
+
+    from .serve.server import ServeOptions as serve_defaults
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: images, video jobs with "
+                                     "progress and cancellation, a web page")
+    s.add_argument("--model", action="append", required=True, metavar="PATH",
+                   help="diffusers-format checkpoint directory or hub id (repeat to serve several; "
+                        "each is served under its directory's name)")
+    s.add_argument("--workflow", help="also serve a cross-model workflow, e.g. t2i-i2v (its stages: "
+                                      "the first text-to-image and the first image-to-video "
+                                      "--model)")
+    s.add_argument("--backend", action="append",
+                   help="backend name (default: the highest-priority available); once, or once "
+                        "per --model")
+    s.add_argument("--host", default=serve_defaults.host,
+                   help="address to listen on (default %(default)s)")
+    s.add_argument("--port", type=int, default=serve_defaults.port,
+                   help="port (default %(default)s; 0: a free one)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
+                                     "/health (default: $FLOWSEAM_API_KEY; none: no key)")
+    s.add_argument("--max-queue", type=int, default=serve_defaults.max_queue,
+                   help="jobs that may wait per model before requests get 429 (default "
+                        "%(default)s)")
+    s.add_argument("--max-batch", type=int, default=serve_defaults.max_batch,
+                   help="samples one loop run may batch (default %(default)s; 1: no batching)")
+    s.add_argument("--output-dir", default=serve_defaults.output_dir,
+                   help="the job table and outputs (default %(default)s)")
+    s.add_argument("--expire-after", type=float, default=serve_defaults.expire_after,
+                   help="seconds finished outputs and their jobs are kept (default %(default)s)")
+    s.add_argument("--max-upload-mb", type=float, default=serve_defaults.max_upload_mb,
+                   help="largest request body, in MiB (default %(default)s)")
+    s.add_argument("--log-level", default=serve_defaults.log_level,
+                   help="uvicorn and server log level (default %(default)s)")
+    s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the main job on real handwritten digits: build or load the "
                                     "demo models, run the text-to-image → image-to-video "

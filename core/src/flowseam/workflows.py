@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .loops import ExecutionProfile, LoopResult, run_loop
+from .loops import ExecutionProfile, LoopResult, StepCallback, run_loop
 from .models.base import ModelInstance
 from .request import DiffusionParams, GenerationRequest, TaskType
 
@@ -47,6 +47,14 @@ class Workflow:
             raise ValueError(f"stage 2 of {self.name} must be image-to-video; got {i2v.card.name}")
         self.t2i, self.i2v = t2i, i2v
 
+    @staticmethod
+    def stage_params(params: DiffusionParams) -> tuple[DiffusionParams, DiffusionParams]:
+        """One set of parameters (a video's: size, steps, guidance, seed...) → the parameters of
+        each stage: the image stage takes the same ones minus ``num_frames`` and
+        ``negative_prompt`` (a text-to-image card has neither); the video stage takes them all.
+        ``flowseam generate --workflow`` and ``flowseam serve`` both derive the stages this way."""
+        return params.replace(num_frames=None, negative_prompt=None), params
+
     def requests(self, prompt: str, t2i_params: DiffusionParams, i2v_params: DiffusionParams,
                  image: Any = None, seed: int = 0) -> tuple[GenerationRequest, GenerationRequest]:
         """The two stage requests; the I2V image is filled in from stage 1 (size: stage 2's)."""
@@ -56,17 +64,23 @@ class Workflow:
 
     def run(self, prompt: str, *, t2i_params: DiffusionParams | None = None,
             i2v_params: DiffusionParams | None = None, seed: int = 0,
-            profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False) -> WorkflowResult:
+            profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
+            step_callback: StepCallback | None = None) -> WorkflowResult:
         """Generate an image from ``prompt``, then a video starting from that image.
+
+        :param step_callback: passed to both stages' loops (``index`` and ``num_steps`` count
+            each stage's own steps; see :data:`flowseam.loops.StepCallback`).
 
         :returns: a :class:`WorkflowResult`; ``.stages[0].frames`` is the image
             ``(1, 1, H, W, 3)``, ``.frames`` the video ``(1, F, H, W, 3)``, both in [0, 1].
         """
         first, second = self.requests(prompt, t2i_params or DiffusionParams(),
                                       i2v_params or DiffusionParams(), seed=seed)
-        image = run_loop(self.t2i, first, profile=profile, progress=progress)
+        image = run_loop(self.t2i, first, profile=profile, progress=progress,
+                         step_callback=step_callback)
         second.image = image.frames[0, 0]
-        video = run_loop(self.i2v, second, profile=profile, progress=progress)
+        video = run_loop(self.i2v, second, profile=profile, progress=progress,
+                         step_callback=step_callback)
         return WorkflowResult([image, video])
 
 

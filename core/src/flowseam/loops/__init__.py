@@ -2,9 +2,11 @@
 pipeline's ``__call__``. Serve and rollout are the same loop (``ExecutionProfile``).
 
 ``run_loop(model, request)`` runs the loop the model's card names first (``card.loops``); each
-loop module exposes ``run(model, request, profile, progress, decode) -> LoopResult``. Loop modules
-share helpers from modules below them (:mod:`flowseam.noise`, :mod:`.records`) and never import
-each other, models or training.
+loop module exposes ``run(model, request, profile, progress, decode, step_callback) ->
+LoopResult``, and calls ``step_callback(index, num_steps, latents)`` (:data:`StepCallback`) after
+every denoising step when one is given: progress reporting and cancellation at a step boundary
+(``flowseam serve``) hang on it. Loop modules share helpers from modules below them
+(:mod:`flowseam.noise`, :mod:`.records`) and never import each other, models or training.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..request import GenerationRequest
 from . import flow_match
-from .records import BehaviorRecord, ExecutionProfile, LoopResult
+from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
@@ -24,12 +26,15 @@ LOOPS: dict[str, Callable[..., LoopResult]] = {"flow_match": flow_match.run}
 
 def run_loop(model: "ModelInstance", request: GenerationRequest,
              profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
-             decode: bool = True) -> LoopResult:
+             decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
     """Run the card's loop for ``request`` (see the loop module for the stages).
 
     :param profile: SERVE, or ROLLOUT to capture a BehaviorRecord per step.
     :param progress: show a tqdm progress bar over the denoising steps.
     :param decode: decode the final latents with the VAE (``frames`` is empty otherwise).
+    :param step_callback: called as ``step_callback(index, num_steps, latents)`` after every
+        denoising step (:data:`StepCallback`); an exception it raises stops the loop there and
+        propagates.
     :raises ValueError: for invalid requests (raised before any model runs), or a card whose
         loop flowseam does not have.
     """
@@ -39,7 +44,8 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
     except KeyError:
         raise ValueError(f"card {model.card.name} runs loop {name!r}; flowseam has "
                          f"{sorted(LOOPS)}") from None
-    return loop(model, request, profile=profile, progress=progress, decode=decode)
+    return loop(model, request, profile=profile, progress=progress, decode=decode,
+                step_callback=step_callback)
 
 
 def rollout_loop(model: "ModelInstance", request: GenerationRequest,
@@ -50,4 +56,5 @@ def rollout_loop(model: "ModelInstance", request: GenerationRequest,
     return run_loop(model, request, profile=profile, decode=decode)
 
 
-__all__ = ["BehaviorRecord", "ExecutionProfile", "LOOPS", "LoopResult", "rollout_loop", "run_loop"]
+__all__ = ["BehaviorRecord", "ExecutionProfile", "LOOPS", "LoopResult", "StepCallback", "rollout_loop",
+           "run_loop"]

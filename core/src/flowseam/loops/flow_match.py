@@ -19,7 +19,7 @@ import torch
 from .. import ops
 from ..noise import noise_like
 from ..request import GenerationRequest
-from .records import BehaviorRecord, ExecutionProfile, LoopResult
+from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
@@ -27,12 +27,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def run(model: "ModelInstance", request: GenerationRequest,
         profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
-        decode: bool = True) -> LoopResult:
+        decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
     """Run the flow-match loop of ``model`` for ``request`` (Wan2.1 T2V/I2V, FLUX.1).
 
     :param profile: SERVE, or ROLLOUT to capture a BehaviorRecord per step.
     :param progress: show a tqdm progress bar over the denoising steps.
     :param decode: decode the final latents with the VAE (``frames`` is empty otherwise).
+    :param step_callback: ``step_callback(i, num_steps, latents)`` after step ``i``
+        (:data:`~flowseam.loops.records.StepCallback`); an exception it raises stops the loop.
     :raises ValueError: for invalid requests (raised before any model runs).
     """
     t_start = time.perf_counter()
@@ -80,6 +82,8 @@ def run(model: "ModelInstance", request: GenerationRequest,
                 records.append(BehaviorRecord(i, latents, next_latents, t, sigma, sigma_next,
                                               sigma_max, log_prob, used.impl_id))
             latents = next_latents
+            if step_callback is not None:
+                step_callback(i, len(timesteps), latents)
     t_denoised = time.perf_counter()
 
     # 5. Decode.

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ..request import DiffusionParams
+
+
+#: ``step_callback(index, num_steps, latents)``: what a loop calls after each denoising step
+#: (like diffusers' ``callback_on_step_end``). ``index`` is the 0-based step just finished,
+#: ``num_steps`` the loop's step count, ``latents`` ``(B, ...)`` the latents that step produced
+#: (read them, never modify them in place). It runs on the loop's thread, between steps; an
+#: exception it raises stops the loop at that step boundary and propagates to the caller
+#: (that is how ``flowseam serve`` cancels a job). Its return value is ignored.
+StepCallback = Callable[[int, int, torch.Tensor], None]
 
 
 class ExecutionProfile(str, enum.Enum):

@@ -1,0 +1,203 @@
+"""``flowseam serve``: check the options, bind the socket, load the models, run uvicorn.
+
+Everything a user can get wrong (a bad option, a port in use, an unwritable output directory, a
+missing checkpoint) is reported before any model is loaded where it can be, as a
+:class:`~flowseam.errors.FlowseamError` or ``ValueError`` the command line turns into one line on
+stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import FlowseamError
+
+
+@dataclass
+class ServeOptions:
+    """The options of ``flowseam serve`` (see ``flowseam serve --help``)."""
+
+    models: list[str]
+    workflow: str | None = None
+    backends: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 64
+    max_batch: int = 8
+    output_dir: str = "outputs/serve"
+    expire_after: float = 86400.0
+    max_upload_mb: float = 16.0
+    log_level: str = "info"
+
+
+def model_id(path: str) -> str:
+    """The id a ``--model`` is served under: a local directory's name, else the hub id."""
+    local = Path(path).expanduser()
+    return local.resolve().name if local.is_dir() else path
+
+
+def check_options(opts: ServeOptions) -> list[str]:
+    """Validate ``opts`` before anything loads; returns the served model ids.
+
+    :raises ValueError: naming the bad option and what is allowed.
+    :raises FlowseamError: for an output directory that cannot be written.
+    """
+    from ..workflows import WORKFLOWS
+
+    if not 0 <= opts.port <= 65535:
+        raise ValueError(f"--port={opts.port} must be in [0, 65535] (0: any free port)")
+    for name, value, low in (("max-queue", opts.max_queue, 1), ("max-batch", opts.max_batch, 1)):
+        if value < low:
+            raise ValueError(f"--{name}={value} must be >= {low}")
+    if not opts.expire_after > 0:
+        raise ValueError(f"--expire-after={opts.expire_after} must be > 0 seconds")
+    if not opts.max_upload_mb > 0:
+        raise ValueError(f"--max-upload-mb={opts.max_upload_mb} must be > 0")
+    if opts.api_key is not None and not opts.api_key.strip():
+        raise ValueError("--api-key is empty")
+    if opts.log_level not in ("critical", "error", "warning", "info", "debug"):
+        raise ValueError(f"--log-level={opts.log_level!r}: use critical, error, warning, info or "
+                         "debug")
+    if opts.workflow is not None:
+        if opts.workflow not in WORKFLOWS:
+            raise ValueError(f"--workflow {opts.workflow!r} is unknown; available: "
+                             f"{sorted(WORKFLOWS)}")
+    if len(opts.backends) > 1 and len(opts.backends) != len(opts.models):
+        raise ValueError(f"--backend given {len(opts.backends)} times; give it once, or once per "
+                         f"--model ({len(opts.models)})")
+    ids = [model_id(m) for m in opts.models]
+    if opts.workflow is not None:
+        ids.append(opts.workflow)
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ValueError(f"two --model checkpoints would be served as {dupes[0]!r}: each is "
+                         "served under its directory's name; rename one directory")
+    for path in opts.models:
+        local = Path(path).expanduser()
+        looks_local = path.startswith((".", "/", "~")) or local.exists() or path.count("/") != 1
+        if looks_local and not (local / "model_index.json").is_file():
+            raise FlowseamError(f"--model {path}: no model_index.json there (expected a "
+                                "diffusers-format checkpoint directory, or a hub id org/name)")
+    if opts.workflow is not None:
+        tasks = [_local_task(m) for m in opts.models]
+        if None not in tasks and not {"t2i", "i2v"} <= set(tasks):
+            raise ValueError(f"--workflow {opts.workflow} needs a text-to-image and an image-to-"
+                             f"video --model; the checkpoints given make {tasks}")
+    out = Path(opts.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".flowseam-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise FlowseamError(f"--output-dir={opts.output_dir!r} is not a writable directory: "
+                            f"{exc}") from exc
+    return ids
+
+
+def _local_task(path: str) -> str | None:
+    """The task of a local checkpoint's card (from its model_index.json), None for a hub id."""
+    from ..loading import read_json
+    from ..models import card_for_index
+
+    index = Path(path).expanduser() / "model_index.json"
+    if not index.is_file():
+        return None
+    return card_for_index(read_json(index), str(index)).task.value
+
+
+def workflow_stages(models: dict) -> tuple[str, str]:
+    """The served ids of a t2i-i2v workflow's stages: the first text-to-image and the first
+    image-to-video model, in --model order.
+
+    :raises ValueError: if either is missing.
+    """
+    from ..request import TaskType
+
+    t2i = [n for n, m in models.items() if m.card.task is TaskType.T2I]
+    i2v = [n for n, m in models.items() if m.card.task is TaskType.I2V]
+    if not t2i or not i2v:
+        raise ValueError("--workflow t2i-i2v needs a text-to-image and an image-to-video --model; "
+                         f"got {[m.card.name for m in models.values()]}")
+    return t2i[0], i2v[0]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one).
+
+    :raises FlowseamError: if the address cannot be bound (in use, not local, ...).
+    """
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:  # a host name
+        family = socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise FlowseamError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose "
+                            "another --port (0 picks a free one)") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(opts: ServeOptions) -> int:
+    """Serve until interrupted (SIGINT/SIGTERM stop the workers at the next step boundary)."""
+    import uvicorn
+
+    from ..console import quiet_libraries
+    from ..loading import load
+    from ..platform import Platform
+    from ..workflows import WORKFLOWS
+    from .api_server import build_app
+    from .engine import Engine
+
+    ids = check_options(opts)
+    sock = bind(opts.host, opts.port)
+    try:
+        host, port = sock.getsockname()[:2]
+        if not _loopback(opts.host) and opts.api_key is None:
+            print(f"flowseam serve: warning: listening on {opts.host} without --api-key: anyone "
+                  "who can reach this port can generate", file=sys.stderr)
+        quiet_libraries()
+        backends = opts.backends or [None]
+        models = {}
+        for i, (name, path) in enumerate(zip(ids, opts.models)):
+            backend = backends[min(i, len(backends) - 1)]
+            models[name] = load(path, platform=Platform(backend) if backend else Platform.detect())
+        workflow = None
+        if opts.workflow is not None:
+            t2i, i2v = workflow_stages(models)
+            workflow = (opts.workflow, WORKFLOWS[opts.workflow](models[t2i], models[i2v]), t2i, i2v)
+        engine = Engine(models, opts.output_dir, workflow=workflow, max_queue=opts.max_queue,
+                        max_batch=opts.max_batch, expire_after=opts.expire_after)
+        app = build_app(engine, api_key=opts.api_key,
+                        max_upload_bytes=int(opts.max_upload_mb * 2**20))
+        logging.getLogger("flowseam.serve").setLevel(opts.log_level.upper())
+        config = uvicorn.Config(app, log_level=opts.log_level, timeout_graceful_shutdown=10)
+        server = uvicorn.Server(config)
+        shown = f"[{host}]" if ":" in host else host
+        print(f"flowseam serve: listening on http://{shown}:{port} | models: "
+              + ", ".join(m.id for m in engine.served()), flush=True)
+        for name, model in models.items():
+            print(f"  {name}: {model.provenance()}", flush=True)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
