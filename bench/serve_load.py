@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import sqlite3
 import statistics
 import subprocess
@@ -51,12 +50,13 @@ def percentile(values: list[float], q: float) -> float:
 class Served:
     """``flowseam serve`` on 127.0.0.1:0 in a subprocess."""
 
-    def __init__(self, model: str, out: Path, backend: str, max_batch: int) -> None:
+    def __init__(self, model: str, out: Path, backend: str, max_batch: int, threads: int) -> None:
         self.log = open(out / "server.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flowseam", "serve", "--model", model, "--backend", backend,
              "--host", "127.0.0.1", "--port", "0", "--output-dir", str(out / "serve"),
-             "--max-batch", str(max_batch), "--max-queue", "64", "--log-level", "warning"],
+             "--max-batch", str(max_batch), "--max-queue", "64", "--log-level", "warning",
+             "--threads", str(threads)],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -90,6 +90,8 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=64, help="image side in pixels")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads, the same in the server and in this process")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per request")
     ap.add_argument("--max-seconds", type=float, default=1800, help="seconds for the whole run")
     args = ap.parse_args()
@@ -104,11 +106,11 @@ def main() -> int:
     from flowseam.console import quiet_libraries
 
     quiet_libraries()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(args.threads)
     model_path = args.model or str(Path(flowseam.__file__).parent / "demo" / "weights"
                                    / "digits-t2i")
     tmp = Path(tempfile.mkdtemp(prefix="flowseam-serve-load-"))
-    server = Served(model_path, tmp, args.backend, args.max_batch)
+    server = Served(model_path, tmp, args.backend, args.max_batch, args.threads)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
                                timeout=args.timeout)
@@ -194,8 +196,9 @@ def main() -> int:
                     and set(rows) == set(ids) == table_ids)  # no job lost, none extra
     seq, con = statistics.median(sequential), statistics.median(concurrent)
     ratio = statistics.median(s / d for s, d in zip(served, direct))
-    print(f"model {server.model_id} ({args.backend}), {size}, {args.steps} steps, "
-          f"{args.clients} clients, {len(sequential)} rounds, max batch {args.max_batch}")
+    print(f"model {server.model_id} ({args.backend}, {args.threads} torch thread(s) on both "
+          f"sides), {size}, {args.steps} steps, {args.clients} clients, {len(sequential)} "
+          f"rounds, max batch {args.max_batch}")
     print(f"throughput: sequential {seq:.2f} req/s, concurrent {con:.2f} req/s, "
           f"ratio {con / seq:.2f} (goal >= 1.5)")
     print(f"concurrent latency: p50 {percentile(latencies, 0.5):.3f} s, "

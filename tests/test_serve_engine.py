@@ -180,6 +180,7 @@ def test_bad_values_are_refused_before_queueing(engine):
 @pytest.mark.parametrize("args,match", [
     (["--port", "70000"], "--port=70000 must be in [0, 65535]"),
     (["--max-queue", "0"], "--max-queue=0 must be >= 1"),
+    (["--threads", "0"], "--threads=0 must be >= 1"),
     (["--workflow", "nope"], "--workflow 'nope' is unknown"),
     (["--workflow", "t2i-i2v"], "needs a text-to-image and an image-to-video --model"),
     (["--model", "/nonexistent/ckpt"], "no model_index.json there"),

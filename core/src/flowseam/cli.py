@@ -139,7 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, api_key=args.api_key or os.environ.get("FLOWSEAM_API_KEY"),
         max_queue=args.max_queue, max_batch=args.max_batch, output_dir=args.output_dir,
         expire_after=args.expire_after, max_upload_mb=args.max_upload_mb,
-        log_level=args.log_level))
+        log_level=args.log_level, threads=args.threads))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body, in MiB (default %(default)s)")
     s.add_argument("--log-level", default=serve_defaults.log_level,
                    help="uvicorn and server log level (default %(default)s)")
+    s.add_argument("--threads", type=int,
+                   help="torch CPU threads (default: torch's, one per core); on a shared or "
+                        "small CPU machine fewer threads than cores often run faster")
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the main job on real handwritten digits: build or load the "

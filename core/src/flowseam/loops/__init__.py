@@ -44,8 +44,8 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
     except KeyError:
         raise ValueError(f"card {model.card.name} runs loop {name!r}; flowseam has "
                          f"{sorted(LOOPS)}") from None
-    return loop(model, request, profile=profile, progress=progress, decode=decode,
-                step_callback=step_callback)
+    extra = {} if step_callback is None else {"step_callback": step_callback}
+    return loop(model, request, profile=profile, progress=progress, decode=decode, **extra)
 
 
 def rollout_loop(model: "ModelInstance", request: GenerationRequest,

@@ -34,6 +34,7 @@ class ServeOptions:
     expire_after: float = 86400.0
     max_upload_mb: float = 16.0
     log_level: str = "info"
+    threads: int | None = None
 
 
 def model_id(path: str) -> str:
@@ -59,6 +60,8 @@ def check_options(opts: ServeOptions) -> list[str]:
         raise ValueError(f"--expire-after={opts.expire_after} must be > 0 seconds")
     if not opts.max_upload_mb > 0:
         raise ValueError(f"--max-upload-mb={opts.max_upload_mb} must be > 0")
+    if opts.threads is not None and opts.threads < 1:
+        raise ValueError(f"--threads={opts.threads} must be >= 1")
     if opts.api_key is not None and not opts.api_key.strip():
         raise ValueError("--api-key is empty")
     if opts.log_level not in ("critical", "error", "warning", "info", "debug"):
@@ -169,6 +172,10 @@ def run(opts: ServeOptions) -> int:
             print(f"flowseam serve: warning: listening on {opts.host} without --api-key: anyone "
                   "who can reach this port can generate", file=sys.stderr)
         quiet_libraries()
+        if opts.threads is not None:
+            import torch
+
+            torch.set_num_threads(opts.threads)
         backends = opts.backends or [None]
         models = {}
         for i, (name, path) in enumerate(zip(ids, opts.models)):
