@@ -81,7 +81,8 @@ def test_found_through_its_entry_point_as_device_accel_priority_50():
             ("available", "flowseam-accel", "accel", 50)
         assert rec.component_kinds == ("dit", "vae")
         assert {(k.op, k.arch) for k in rec.kernels} == {
-            (ops.FLOW_MATCH_STEP, "generic"), (ops.FLOW_SDE_STEP, device.arch_chain()[0])}
+            (ops.FLOW_MATCH_STEP, "generic"), (ops.FLOW_SDE_STEP, device.arch_chain()[0]),
+            (ops.FLOW_RENOISE, "generic")}
     finally:
         flowseam.plugins._CACHE = None
 
@@ -117,6 +118,13 @@ def test_arch_walk_fallback_for_flow_match_step_direct_hit_for_flow_sde_step(acc
     assert accel.kernels.walks[ops.FLOW_SDE_STEP] == (f"accel/{chain[0]}",)
     attn = accel.kernels.get(ops.ATTENTION).provenance
     assert (attn.plugin, attn.device) == ("cpu", "cpu")  # accel registers no attention kernel
+    # nor the causal loop's cached attention: it falls back to cpu too, and says so
+    cached = accel.kernels.get(ops.CACHED_ATTENTION).provenance
+    assert (cached.plugin, cached.device) == ("cpu", "cpu")
+    row = next(line for line in accel.explain().splitlines() if line.startswith(ops.CACHED_ATTENTION))
+    assert row.split()[1:4] == ["cpu/generic", "cpu", "yes"], row
+    renoise = accel.kernels.get(ops.FLOW_RENOISE).provenance
+    assert (renoise.plugin, renoise.device, renoise.arch) == ("accel", "accel", "generic")
 
 
 # -- kernels against the oracle ----------------------------------------------------------------

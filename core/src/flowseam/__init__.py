@@ -35,7 +35,16 @@ from .request import DiffusionParams, GenerationRequest, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loading import load
-    from .loops import BehaviorRecord, ExecutionProfile, LoopResult, rollout_loop, run_loop
+    from .loops import (
+        BehaviorRecord,
+        Chunk,
+        ExecutionProfile,
+        LoopResult,
+        record_velocity,
+        rollout_loop,
+        run_loop,
+        stream_loop,
+    )
 
 __version__ = "0.1.0"
 
@@ -43,7 +52,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "load": "loading",
     "BehaviorRecord": "loops", "ExecutionProfile": "loops", "LoopResult": "loops",
-    "run_loop": "loops", "rollout_loop": "loops",
+    "run_loop": "loops", "rollout_loop": "loops", "stream_loop": "loops", "Chunk": "loops",
+    "record_velocity": "loops",
 }
 
 
@@ -64,8 +74,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BehaviorRecord", "DiffusionParams", "ExecutionProfile", "GenerationRequest", "LoopResult",
-    "TaskType", "load", "rollout_loop", "run_loop",
+    "BehaviorRecord", "Chunk", "DiffusionParams", "ExecutionProfile", "GenerationRequest",
+    "LoopResult", "TaskType", "load", "record_velocity", "rollout_loop", "run_loop", "stream_loop",
     "Availability", "BackendInfo", "BackendUnavailableError", "BoundKernel", "ComponentBuildError",
     "ComponentRecord", "ComponentSpec", "ConformanceExpectations", "FlowseamError",
     "KernelPinError", "KernelRegistration", "KernelTable", "Platform", "PluginLoadError",

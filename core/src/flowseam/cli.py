@@ -41,6 +41,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     suffix = Path(args.output).suffix.lower()
+    if args.stream and (suffix != ".mp4" or args.workflow is not None):
+        raise ValueError(f"--stream writes one model's video progressively as .mp4; got --output "
+                         f"{args.output}" + (f" and --workflow {args.workflow}" if args.workflow else ""))
     if suffix not in media.IMAGE_SUFFIXES + media.VIDEO_SUFFIXES:
         raise ValueError(f"--output {args.output}: unsupported suffix {suffix!r}; use .png for "
                          "images, .mp4 or .gif for videos")
@@ -56,7 +59,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"give one --model (got {len(args.model)}); two are for --workflow t2i-i2v")
     params = DiffusionParams(num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
                              height=args.height, width=args.width, num_frames=args.frames,
-                             negative_prompt=args.negative_prompt, flow_shift=args.flow_shift)
+                             negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
+                             chunk_frames=args.chunk_frames, local_attn_size=args.local_attn_size,
+                             sink_size=args.sink_size)
     backends = args.backend or [None]
     if len(backends) > (2 if args.workflow else 1):
         raise ValueError(f"--backend given {len(backends)} times; once, or once per workflow stage")
@@ -71,6 +76,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = workflow.run(args.prompt, t2i_params=image_params, i2v_params=video_params,
                               seed=args.seed, progress=True)
         frames, models = result.frames, [t2i, i2v]
+    elif args.stream:
+        model = load(args.model[0], platform=platform)
+        if args.image is not None:
+            raise ValueError("--stream generates from text; --image is for image-to-video")
+        chunks = model.generate_stream(args.prompt, params=params)  # refuses a non-causal model
+        with media.StreamingVideoWriter(args.output, fps=args.fps) as writer:
+            for chunk in chunks:
+                writer.write(chunk.frames[0])
+                if chunk.index == 0:
+                    print(f"time-to-first-chunk: {chunk.seconds:.2f} s ({chunk.frames.shape[1]} "
+                          f"frame(s) written to {args.output} while the rest is generated)",
+                          flush=True)
+        result = chunk.result
+        seconds = time.perf_counter() - started
+        print(f"wrote {args.output} ({writer.frames} frame(s) of {chunk.frames.shape[2]}x"
+              f"{chunk.frames.shape[3]}, {result.chunks} chunks, streamed) in {seconds:.2f} s | "
+              f"{model.provenance()}")
+        return 0
     else:
         model = load(args.model[0], platform=platform)
         result = model.generate(args.prompt, image=args.image, params=params, progress=True)
@@ -208,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="backend name (default: the highest-priority available); with --workflow, "
                         "give it twice to choose each stage's backend")
     g.add_argument("--output", required=True, help=".png for images, .mp4 or .gif for videos")
+    g.add_argument("--stream", action="store_true",
+                   help="causal checkpoints: write the .mp4 chunk by chunk as it is generated "
+                        "(playable while written) and print the time to the first chunk")
+    g.add_argument("--chunk-frames", type=int,
+                   help="causal checkpoints: latent frames per chunk (default the checkpoint's)")
+    g.add_argument("--local-attn-size", type=int,
+                   help="causal checkpoints: rolling window in latent frames (default none)")
+    g.add_argument("--sink-size", type=int,
+                   help="causal checkpoints: first latent frames kept in the window")
     g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser("train", help="run a training method (finetune, flowgrpo, workflow_rl, ...)")

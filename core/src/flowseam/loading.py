@@ -7,8 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import ops
-from .attention import route_attention
 from .components import ComponentSpec
 from .errors import FlowseamError
 from .models import card_for_index
@@ -54,12 +52,12 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None) -> ModelInstance:
     """Load a diffusers-format checkpoint (WanPipeline, WanImageToVideoPipeline or FluxPipeline
-    layout) into a flowseam model instance.
+    layout, or flowseam's causal Wan layout) into a flowseam model instance.
 
     The card is chosen from ``model_index.json``; every component is built with
     ``platform.build_component(kind, spec)`` (so a backend may override it and anything it leaves
     out falls back to cpu); the DiT's attention is routed through ``platform.kernels``'
-    ``attention`` op.
+    ``attention`` op (and ``cached_attention`` for a causal checkpoint).
 
     :param platform: default ``Platform.detect()``.
     :raises FlowseamError: for a missing directory, an unreachable hub, or a missing or corrupt
@@ -69,6 +67,7 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None) ->
     root = resolve_checkpoint(path_or_hub_id)
     index = read_json(root / "model_index.json")
     card = card_for_index(index, str(root / "model_index.json"))
+    card.instance.check_index(index, str(root / "model_index.json"))
     platform = platform if platform is not None else Platform.detect()
     components: dict[str, Any] = {}
     records = {}
@@ -87,8 +86,9 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None) ->
     scheduler_config = read_json(root / "scheduler" / "scheduler_config.json") \
         if (root / "scheduler").is_dir() else {}
     instance = card.instance(card, platform, components, root, scheduler_config)
+    instance.read_index(index, str(root / "model_index.json"))
     instance.component_records = records
-    route_attention(instance.dit, platform.kernels.get(ops.ATTENTION))
+    instance.route_attention()
     return instance
 
 

@@ -89,6 +89,113 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Pa
     return path
 
 
+class StreamingVideoWriter:
+    """Writes a video progressively as chunks of frames arrive, as a fragmented MP4 (H.264,
+    ``-movflags frag_every_frame+empty_moov``, ``-tune zerolatency``) through the ffmpeg binary
+    that imageio-ffmpeg ships: every frame is its own fragment, flushed as soon as it is encoded,
+    so a reader can play the frames written so far while later chunks are still being
+    generated — all but the newest one, whose duration the MP4 muxer only learns from the frame
+    after it (the next chunk's first frame, or :meth:`close`). The file grows under a temporary name next to ``path``; :meth:`close` renames it
+    onto ``path``, and a failure (:meth:`abort`, or an exception inside ``with``) deletes it, so
+    nothing is ever left at ``path`` but a complete video.
+
+    :param fps: frames per second.
+    :raises ValueError: for a suffix other than ``.mp4``.
+    """
+
+    def __init__(self, path: str | os.PathLike, fps: int = 8) -> None:
+        self.path = Path(path)
+        if self.path.suffix.lower() != ".mp4":
+            raise ValueError(f"streamed output {self.path} must end in .mp4 (a fragmented MP4 "
+                             "plays while it is written)")
+        self.fps = int(fps)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.", suffix=".mp4", dir=self.path.parent)
+        os.close(fd)
+        self.tmp = Path(tmp)
+        self.process = None
+        self.frames = 0
+
+    def _start(self, height: int, width: int) -> None:
+        import subprocess
+
+        import imageio_ffmpeg
+
+        even = height % 2 == 0 and width % 2 == 0
+        cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error",
+               "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}",
+               "-r", str(self.fps), "-i", "-", "-an", "-c:v", "libx264",
+               "-pix_fmt", "yuv420p" if even else "yuv444p", "-crf", "17",
+               "-tune", "zerolatency", "-flush_packets", "1",
+               "-movflags", "+frag_every_frame+empty_moov+default_base_moof",
+               "-f", "mp4", str(self.tmp)]
+        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, bufsize=0)
+        self.shape = (height, width)
+
+    def write(self, frames: np.ndarray) -> None:
+        """Append ``frames`` ``(f, H, W, 3)`` float in [0, 1] (every call the same H, W).
+
+        :raises ValueError: for a wrongly shaped array.
+        :raises OSError: if ffmpeg stopped (its error output in the message).
+        """
+        if frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"frames have shape {frames.shape}; expected (F, H, W, 3)")
+        if self.process is None:
+            self._start(*frames.shape[1:3])
+        elif frames.shape[1:3] != self.shape:
+            raise ValueError(f"frames are {frames.shape[1:3]}, the video is {self.shape}")
+        try:
+            self.process.stdin.write(to_uint8(frames).tobytes())
+        except OSError as exc:
+            raise OSError(f"ffmpeg stopped while writing {self.path}: {self._stderr()}") from exc
+        self.frames += len(frames)
+
+    def _stderr(self) -> str:
+        try:
+            return self.process.stderr.read().decode(errors="replace").strip()
+        except Exception:  # pragma: no cover
+            return ""
+
+    def close(self) -> Path:
+        """Finish the video and rename it onto ``path``.
+
+        :raises OSError: if ffmpeg failed (the temporary file is deleted).
+        :raises ValueError: if no frame was written.
+        """
+        try:
+            if self.process is None:
+                raise ValueError(f"no frames were written to {self.path}")
+            self.process.stdin.close()
+            if self.process.wait() != 0:
+                raise OSError(f"ffmpeg failed writing {self.path}: {self._stderr()}")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(self.tmp, 0o666 & ~umask)
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        return self.path
+
+    def abort(self) -> None:
+        """Stop ffmpeg and delete the temporary file (nothing appears at ``path``)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+    def __enter__(self) -> "StreamingVideoWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def _even(frames: np.ndarray) -> bool:
     return frames.shape[1] % 2 == 0 and frames.shape[2] % 2 == 0
 

@@ -42,6 +42,13 @@ class DiffusionParams:
         repository) and MixGRPO (Li et al. 2025): the reward's spread then comes from the noise
         of those steps only, so the policy gradient is far less noisy per sample.
     :param max_sequence_length: text tokens kept by the text encoder.
+    :param chunk_frames: (``wan_causal`` loop) latent frames per chunk (Self-Forcing's
+        ``num_frame_per_block``).
+    :param local_attn_size: (``wan_causal``) the rolling window: latent frames a chunk attends
+        to, itself included; None: every earlier frame.
+    :param sink_size: (``wan_causal``) the first latent frames, always attended (with a window).
+    :param kv_cache: (``wan_causal``) reuse the keys/values of earlier chunks; False recomputes
+        the whole prefix with a block-causal mask at every step (the parity reference; slow).
     """
 
     num_steps: int | None = None
@@ -56,6 +63,10 @@ class DiffusionParams:
     noise_level: float = 0.7
     sde_window: tuple[int, int] | None = None
     max_sequence_length: int | None = None
+    chunk_frames: int | None = None
+    local_attn_size: int | None = None
+    sink_size: int | None = None
+    kv_cache: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.sde_window, list):  # TOML/YAML give a list; keep the params hashable
@@ -129,6 +140,21 @@ def check_common(params: DiffusionParams, request: GenerationRequest | None = No
         if not ok or window[0] >= params.num_steps:
             raise ValueError(f"sde_window={window!r} must be [start, end) step indices with "
                              f"0 <= start < end and start < num_steps={params.num_steps}")
+
+
+#: the parameters only the ``wan_causal`` loop implements
+CAUSAL_PARAMS = ("chunk_frames", "local_attn_size", "sink_size")
+
+
+def check_no_causal(params: DiffusionParams, card: str) -> None:
+    """Refuse the causal loop's parameters for a card whose loop does not implement them."""
+    given = [f"{name}={getattr(params, name)!r}" for name in CAUSAL_PARAMS
+             if getattr(params, name) is not None]
+    if not params.kv_cache:
+        given.append("kv_cache=False")
+    if given:
+        raise ValueError(f"{', '.join(given)}: {card} does not generate in chunks; these "
+                         "parameters are for a causal checkpoint (the wan_causal loop)")
 
 
 def check_multiple(name: str, value: int, multiple: int, why: str) -> None:

@@ -11,17 +11,27 @@ every denoising step when one is given: progress reporting and cancellation at a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
 
 from ..request import GenerationRequest
-from . import flow_match
+from . import causal, flow_match
+from .causal import Chunk
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
 
 #: loop name (as cards list them in ``ModelCard.loops``) → its ``run`` function
-LOOPS: dict[str, Callable[..., LoopResult]] = {"flow_match": flow_match.run}
+LOOPS: dict[str, Callable[..., LoopResult]] = {"flow_match": flow_match.run,
+                                               "wan_causal": causal.run}
+#: loops that stream their output chunk by chunk → their ``stream`` generator
+STREAMS: dict[str, Callable[..., Iterator[Chunk]]] = {"wan_causal": causal.stream}
+#: loop name → its ``record_velocity(model, result, record, dit)`` (the pinned recompute's
+#: velocity: each loop knows what its DiT saw at a step)
+RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {"flow_match": flow_match.record_velocity,
+                                                     "wan_causal": causal.record_velocity}
 
 
 def run_loop(model: "ModelInstance", request: GenerationRequest,
@@ -48,6 +58,31 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
     return loop(model, request, profile=profile, progress=progress, decode=decode, **extra)
 
 
+def stream_loop(model: "ModelInstance", request: GenerationRequest,
+                profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
+                decode: bool = True, step_callback: StepCallback | None = None) -> Iterator[Chunk]:
+    """Run the card's loop chunk by chunk, yielding each :class:`Chunk` as it is ready.
+
+    :raises ValueError: if the card's loop does not stream (only ``wan_causal`` does), or for
+        an invalid request (before any model runs).
+    """
+    name = model.card.loops[0]
+    if name not in STREAMS:
+        raise ValueError(f"card {model.card.name} runs loop {name!r}, which does not stream; "
+                         f"streaming loops: {sorted(STREAMS)} (a causal checkpoint)")
+    return STREAMS[name](model, request, profile=profile, progress=progress, decode=decode,
+                         step_callback=step_callback)
+
+
+def record_velocity(model: "ModelInstance", result: LoopResult, record: BehaviorRecord,
+                    dit: torch.nn.Module | None = None) -> torch.Tensor:
+    """The velocity ``dit`` (default the model's DiT) predicts at ``record``'s step of the rollout
+    ``result``, computed the way ``result.loop`` computed it (the causal loop rebuilds the KV
+    cache of the earlier chunks). With the rollout's weights it is the rollout's velocity, so the
+    pinned kernel reproduces the recorded log-prob (C2)."""
+    return RECOMPUTE[result.loop](model, result, record, dit=dit)
+
+
 def rollout_loop(model: "ModelInstance", request: GenerationRequest,
                  profile: ExecutionProfile = ExecutionProfile.ROLLOUT, decode: bool = True) -> LoopResult:
     """A rollout: the serve loop (:func:`run_loop`) with capture — one :class:`BehaviorRecord` per
@@ -56,5 +91,5 @@ def rollout_loop(model: "ModelInstance", request: GenerationRequest,
     return run_loop(model, request, profile=profile, decode=decode)
 
 
-__all__ = ["BehaviorRecord", "ExecutionProfile", "LOOPS", "LoopResult", "StepCallback", "rollout_loop",
-           "run_loop"]
+__all__ = ["BehaviorRecord", "Chunk", "ExecutionProfile", "LOOPS", "LoopResult", "RECOMPUTE",
+           "STREAMS", "StepCallback", "record_velocity", "rollout_loop", "run_loop", "stream_loop"]

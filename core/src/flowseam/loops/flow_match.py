@@ -94,3 +94,10 @@ def run(model: "ModelInstance", request: GenerationRequest,
         seconds={"encode": t_encoded - t_start, "denoise": t_denoised - t_encoded,
                  "decode": t_end - t_denoised, "total": t_end - t_start},
         kernels={op: step.impl_id})
+
+
+def record_velocity(model: "ModelInstance", result: LoopResult, record: BehaviorRecord,
+                    dit: torch.nn.Module | None = None) -> torch.Tensor:
+    """The velocity ``dit`` (default the model's) predicts at ``record``'s step of ``result``:
+    what the rollout's kernel was given, recomputed (with gradients if enabled)."""
+    return model.velocity(record.latents, record.timestep, result.cond, result.params, dit=dit)

@@ -39,7 +39,10 @@ class BehaviorRecord:
     :ivar sigma_max: the SDE step's sigma at sigma == 1 (Flow-GRPO's ``sigmas[1]``).
     :ivar log_prob: ``(B,)`` float32 log-prob of ``next_latents`` (SDE steps only, else None).
     :ivar impl_id: the kernel that produced the step (pin it to recompute the log-prob).
-    :ivar index: the step index.
+    :ivar index: the step index (over the whole rollout; the causal loop counts on across chunks).
+    :ivar chunk: the chunk the step belongs to (causal loop; None elsewhere). ``latents`` and
+        ``next_latents`` are then that chunk's latents ``(B, C, n, h, w)``.
+    :ivar start_frame: the chunk's first latent frame (causal loop).
     """
 
     index: int
@@ -51,6 +54,8 @@ class BehaviorRecord:
     sigma_max: float | None
     log_prob: torch.Tensor | None
     impl_id: str
+    chunk: int | None = None
+    start_frame: int = 0
 
 
 @dataclass
@@ -66,7 +71,8 @@ class LoopResult:
     :ivar seconds: wall time per stage (``encode``, ``denoise``, ``decode``, ``total``).
     :ivar kernels: op → impl_id of the step kernel the loop used (outside an ``sde_window`` the
         steps are ``flow_match_step``; each BehaviorRecord names its own kernel).
-    :ivar loop: the loop that ran (``"flow_match"``, ...).
+    :ivar loop: the loop that ran (``"flow_match"``, ``"wan_causal"``, ...).
+    :ivar chunks: how many chunks the video was generated in (1 outside the causal loop).
     """
 
     frames: np.ndarray
@@ -78,3 +84,4 @@ class LoopResult:
     seconds: dict[str, float] = field(default_factory=dict)
     kernels: dict[str, str] = field(default_factory=dict)
     loop: str = "flow_match"
+    chunks: int = 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents w
 from ..request import DiffusionParams, GenerationRequest, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..loops import LoopResult
+    from ..loops import Chunk, LoopResult
     from ..platform import Platform
 
 
@@ -106,7 +106,7 @@ class ModelInstance:
     def generate(self, prompt: str | list[str], *, image: Any = None,
                  params: DiffusionParams | None = None, seeds: list[int] | None = None,
                  progress: bool = False) -> "LoopResult":
-        """Serve one request through the shared flow-match loop.
+        """Serve one request through the card's loop (flow-match, or the causal one).
 
         :param prompt: one prompt, or a list (one sample each).
         :param image: the conditioning image for I2V (PIL image, path, or ``(H, W, 3)`` float
@@ -121,6 +121,22 @@ class ModelInstance:
         request = GenerationRequest(prompt=prompt, task=self.card.task,
                                     params=params or DiffusionParams(), image=image, seeds=seeds)
         return run_loop(self, request, profile=ExecutionProfile.SERVE, progress=progress)
+
+    def generate_stream(self, prompt: str | list[str], *, params: DiffusionParams | None = None,
+                        seeds: list[int] | None = None, progress: bool = False) -> Iterator["Chunk"]:
+        """Serve one request chunk by chunk (a causal checkpoint: the ``wan_causal`` loop),
+        yielding each :class:`flowseam.loops.Chunk` as soon as it is decoded: ``.frames``
+        ``(B, f, H, W, 3)`` float32 in [0, 1], ``.seconds`` since the request started; the last
+        chunk's ``.result`` is the whole video's :class:`~flowseam.loops.LoopResult`.
+
+        :raises ValueError: if the card's loop does not stream, or for invalid parameters
+            (before any model runs: the parameters are checked on the first ``next()``).
+        """
+        from ..loops import ExecutionProfile, stream_loop
+
+        request = GenerationRequest(prompt=prompt, task=self.card.task,
+                                    params=params or DiffusionParams(), seeds=seeds)
+        return stream_loop(self, request, profile=ExecutionProfile.SERVE, progress=progress)
 
     @property
     def dit(self) -> torch.nn.Module:
@@ -154,6 +170,27 @@ class ModelInstance:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} card={self.card.name!r} platform={self.platform.name!r}>"
+
+    # -- set-up while loading ---------------------------------------------------------------------
+    @classmethod
+    def check_index(cls, index: dict[str, Any], source: str = "model_index.json") -> None:
+        """Validate card-specific settings in the checkpoint's ``model_index.json`` before any
+        component loads (none here).
+
+        :raises ValueError: for settings the card does not implement.
+        """
+
+    def read_index(self, index: dict[str, Any], source: str = "model_index.json") -> None:
+        """Take card-specific settings from ``model_index.json`` (none here)."""
+
+    def route_attention(self) -> None:
+        """Send every attention call of the DiT through the platform's ``attention`` op
+        (:func:`flowseam.attention.route_attention`); a loop with its own attention pattern
+        (the causal loop's KV cache) routes more."""
+        from .. import ops
+        from ..attention import route_attention
+
+        route_attention(self.dit, self.platform.kernels.get(ops.ATTENTION))
 
     # -- step bodies (card-specific) -----------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:

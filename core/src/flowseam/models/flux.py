@@ -12,7 +12,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..request import DiffusionParams, GenerationRequest, TaskType, check_common, check_multiple
+from ..request import (
+    DiffusionParams,
+    GenerationRequest,
+    TaskType,
+    check_common,
+    check_multiple,
+    check_no_causal,
+)
 from .base import (
     ComponentEntry,
     Conditioning,
@@ -37,6 +44,7 @@ class FluxT2I(ModelInstance):
     def check(self, request: GenerationRequest) -> DiffusionParams:
         params = request.params.with_defaults(self.card.defaults)
         check_common(params, request)
+        check_no_causal(params, self.card.name)
         multiple = self.vae_scale_factor * 2
         for name in ("height", "width"):
             check_multiple(name, getattr(params, name), multiple,

@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..request import DiffusionParams, GenerationRequest, TaskType, check_common, check_multiple
+from ..request import (
+    DiffusionParams,
+    GenerationRequest,
+    TaskType,
+    check_common,
+    check_multiple,
+    check_no_causal,
+)
 from .base import (
     ComponentEntry,
     Conditioning,
@@ -45,6 +52,7 @@ class WanT2V(ModelInstance):
     def check(self, request: GenerationRequest) -> DiffusionParams:
         params = request.params.with_defaults(self.card.defaults)
         check_common(params, request)
+        self.check_loop_params(params)
         tf = self.vae_temporal_factor
         if not isinstance(params.num_frames, int) or params.num_frames < 1 or params.num_frames % tf != 1:
             k = max(0, (params.num_frames or 1) // tf)
@@ -59,6 +67,9 @@ class WanT2V(ModelInstance):
             raise ValueError(f"negative_prompt={params.negative_prompt!r} must be a string")
         self.check_image(request)
         return params
+
+    def check_loop_params(self, params: DiffusionParams) -> None:
+        check_no_causal(params, self.card.name)
 
     def check_image(self, request: GenerationRequest) -> None:
         if request.image is not None:

@@ -35,7 +35,32 @@ noise_level=0.7, sigma_max=None, generator=None) -> SDEStepOutput``
     Scaled dot-product attention, layout ``(B, heads, seq, head_dim)``, the semantics of
     ``torch.nn.functional.scaled_dot_product_attention``: a boolean mask marks the keys that may
     be attended (True = keep), a float mask is added to the scores; ``scale`` defaults to
-    ``1/sqrt(head_dim)``.
+    ``1/sqrt(head_dim)``. The key/value length may differ from the query length.
+
+``CACHED_ATTENTION``: ``attn(q, k, v, cache_k=None, cache_v=None, scale=None)``
+    Block-causal attention of one chunk of a causal video loop over a KV cache: the chunk's
+    queries ``q (B, heads, Lq, D)`` attend to every cached key ``cache_k (B, heads, Lc, D)``
+    (earlier chunks, already windowed by the loop) and to every key of the chunk itself
+    ``k (B, heads, Lk, D)``; values likewise (``cache_v (B, heads, Lc, Dv)``,
+    ``v (B, heads, Lk, Dv)``)::
+
+        out = softmax(q @ cat(cache_k, k)^T * scale) @ cat(cache_v, v)     -> (B, heads, Lq, Dv)
+
+    ``Lc`` may be 0 (the first chunk), or both caches None. No mask: within a chunk attention is
+    bidirectional, and the cache holds only what the chunk may see (the block-causal mask of
+    Self-Forcing / CausVid, Huang et al. 2025; Yin et al. 2025). ``scale`` defaults to
+    ``1/sqrt(D)``; the result has ``q``'s dtype. A separate op (not ``attention`` with a mask)
+    so that a backend can implement it without materialising the concatenation (e.g.
+    flash-attn's ``flash_attn_with_kvcache``), and so that a backend without it falls back to
+    the next device visibly (``platform.explain()``).
+
+``FLOW_RENOISE``: ``renoise(x0, noise, sigma) -> (1 - sigma) * x0 + sigma * noise``
+    Re-noising a predicted clean sample ``x0`` to noise level ``sigma`` with fresh standard
+    normal ``noise`` (the flow-matching forward process; diffusers
+    ``FlowMatchEulerDiscreteScheduler.scale_noise``, Self-Forcing's ``scheduler.add_noise``).
+    The few-step causal loop predicts ``x0`` with ``flow_match_step(x, v, sigma, 0)`` and
+    re-noises it to the next sigma of the chunk's schedule. ``x0``, ``noise``: same shape; the
+    result has ``x0``'s dtype, the arithmetic is float32 or wider; ``sigma`` in [0, 1].
 
 Bad arguments (shape mismatch, sigma outside [0, 1], sigma_next > sigma, sigma == 1 without
 sigma_max for the SDE step) raise ``ValueError`` naming the value.
@@ -49,9 +74,11 @@ from typing import Any, NamedTuple
 FLOW_MATCH_STEP = "flow_match_step"
 FLOW_SDE_STEP = "flow_sde_step"
 ATTENTION = "attention"
+CACHED_ATTENTION = "cached_attention"
+FLOW_RENOISE = "flow_renoise"
 
 #: Every op flowseam defines a contract for. Plugins may register only these.
-ALL_OPS = (FLOW_MATCH_STEP, FLOW_SDE_STEP, ATTENTION)
+ALL_OPS = (FLOW_MATCH_STEP, FLOW_SDE_STEP, ATTENTION, CACHED_ATTENTION, FLOW_RENOISE)
 
 
 class SDEStepOutput(NamedTuple):
@@ -151,6 +178,34 @@ def check_attention(q: Any, k: Any, v: Any) -> None:
             "k (B,H,Lk,D), v (B,H,Lk,Dv)")
 
 
+def check_cached_attention(q: Any, k: Any, v: Any, cache_k: Any, cache_v: Any) -> None:
+    """Validate cached attention shapes: q/k/v as for attention, the caches (B, heads, Lc, D)
+    and (B, heads, Lc, Dv), both given or both None. Raises ValueError naming the shapes."""
+    check_attention(q, k, v)
+    if (cache_k is None) != (cache_v is None):
+        raise ValueError("cache_k and cache_v must be given together (or both None)")
+    if cache_k is None:
+        return
+    ks, vs, cks, cvs = _shape(k), _shape(v), _shape(cache_k), _shape(cache_v)
+    if len(cks) != 4 or len(cvs) != 4 or cks[:2] != ks[:2] or cvs[:2] != vs[:2] \
+            or cks[3] != ks[3] or cvs[3] != vs[3] or cks[2] != cvs[2]:
+        raise ValueError(
+            f"cached attention shapes do not match: k={ks}, v={vs}, cache_k={cks}, "
+            f"cache_v={cvs}; need cache_k (B,H,Lc,D) and cache_v (B,H,Lc,Dv) like k and v")
+
+
+def check_renoise(x0: Any, noise: Any, sigma: float) -> None:
+    """Validate the re-noising op's arguments. Raises ValueError naming the bad value."""
+    for name, t in (("x0", x0), ("noise", noise)):
+        if not _is_float(t):
+            raise ValueError(f"{name} has dtype {t.dtype}; re-noising needs floating-point tensors")
+    if _shape(noise) != _shape(x0):
+        raise ValueError(f"noise has shape {_shape(noise)} but x0 has shape {_shape(x0)}; "
+                         "they must match")
+    if not (0.0 <= sigma <= 1.0) or math.isnan(sigma):
+        raise ValueError(f"sigma={sigma!r} is outside [0, 1]")
+
+
 def sde_std_dev_t(sigma: float, noise_level: float, sigma_max: float | None) -> float:
     """``noise_level * sqrt(sigma / (1 - s))`` with ``s = sigma_max if sigma == 1 else sigma``
     (Flow-GRPO, SD3 ``sde_step_with_logprob``). Python float arithmetic (float64)."""
@@ -159,6 +214,7 @@ def sde_std_dev_t(sigma: float, noise_level: float, sigma_max: float | None) -> 
 
 
 __all__ = [
-    "ALL_OPS", "ATTENTION", "FLOW_MATCH_STEP", "FLOW_SDE_STEP", "SDEStepOutput", "as_sigma",
-    "check_attention", "check_sigmas", "check_step_tensors", "sde_std_dev_t",
+    "ALL_OPS", "ATTENTION", "CACHED_ATTENTION", "FLOW_MATCH_STEP", "FLOW_RENOISE", "FLOW_SDE_STEP",
+    "SDEStepOutput", "as_sigma", "check_attention", "check_cached_attention", "check_renoise",
+    "check_sigmas", "check_step_tensors", "sde_std_dev_t",
 ]

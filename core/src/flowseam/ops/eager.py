@@ -20,6 +20,8 @@ from . import (
     SDEStepOutput,
     as_sigma,
     check_attention,
+    check_cached_attention,
+    check_renoise,
     check_sigmas,
     check_step_tensors,
     sde_std_dev_t,
@@ -81,3 +83,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     """``torch.nn.functional.scaled_dot_product_attention`` on (B, heads, seq, dim) tensors."""
     check_attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """Chunk attention over a KV cache: SDPA of q ``(B, heads, Lq, D)`` over ``cat(cache_k, k)``
+    and ``cat(cache_v, v)`` (contract in :mod:`flowseam.ops`)."""
+    check_cached_attention(q, k, v, cache_k, cache_v)
+    if cache_k is not None and cache_k.shape[2]:
+        k, v = torch.cat([cache_k, k], dim=2), torch.cat([cache_v, v], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def flow_renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor:
+    """``(1 - sigma) * x0 + sigma * noise``; x0, noise: (B, ...) any float dtype; returns x0's
+    dtype, computed in float32 (float64 for float64 x0)."""
+    sigma = as_sigma(sigma)
+    check_renoise(x0, noise, sigma)
+    ct = compute_dtype(x0)
+    return torch.add(x0.to(ct) * (1.0 - sigma), noise.to(ct), alpha=sigma).to(x0.dtype)

@@ -11,7 +11,16 @@ import math
 
 import numpy as np
 
-from . import SDEStepOutput, as_sigma, check_attention, check_sigmas, check_step_tensors, sde_std_dev_t
+from . import (
+    SDEStepOutput,
+    as_sigma,
+    check_attention,
+    check_cached_attention,
+    check_renoise,
+    check_sigmas,
+    check_step_tensors,
+    sde_std_dev_t,
+)
 
 #: (rtol, atol) for comparing a kernel's output in a dtype against the float64 oracle (C1).
 TOLERANCES = {
@@ -85,3 +94,21 @@ def attention(q, k, v, attn_mask=None, scale: float | None = None) -> np.ndarray
     total = weights.sum(axis=-1, keepdims=True)
     weights = np.where(dead, 0.0, weights / np.where(dead, 1.0, total))
     return weights @ v
+
+
+def cached_attention(q, k, v, cache_k=None, cache_v=None, scale: float | None = None) -> np.ndarray:
+    """Block-causal chunk attention over a KV cache in float64: softmax attention of ``q``
+    ``(B, heads, Lq, D)`` over ``cat(cache_k, k)`` / ``cat(cache_v, v)`` along the sequence,
+    no mask (contract in :mod:`flowseam.ops`)."""
+    check_cached_attention(q, k, v, cache_k, cache_v)
+    if cache_k is not None:
+        k = np.concatenate([_f64(cache_k), _f64(k)], axis=2)
+        v = np.concatenate([_f64(cache_v), _f64(v)], axis=2)
+    return attention(q, k, v, scale=scale)
+
+
+def flow_renoise(x0, noise, sigma: float) -> np.ndarray:
+    """``(1 - sigma) * x0 + sigma * noise`` in float64 (the flow-matching forward process)."""
+    sigma = as_sigma(sigma)
+    check_renoise(x0, noise, sigma)
+    return (1.0 - sigma) * _f64(x0) + sigma * _f64(noise)

@@ -21,7 +21,7 @@ import transformers
 __all__ = ["CARDS", "write_tiny_checkpoint"]
 
 #: The cards :func:`write_tiny_checkpoint` knows, in a fixed order.
-CARDS = ("wan2.1-t2v", "wan2.1-i2v", "flux.1-t2i")
+CARDS = ("wan2.1-t2v", "wan2.1-i2v", "flux.1-t2i", "wan2.1-causal-t2v")
 
 #: Name of the small provenance file written next to ``model_index.json``.
 METADATA_FILE = "flowseam_tiny.json"
@@ -36,6 +36,7 @@ _OVERRIDABLE = {
     "wan2.1-i2v": ("text_encoder", "image_encoder", "image_processor", "vae", "transformer",
                    "scheduler"),
     "flux.1-t2i": ("text_encoder", "text_encoder_2", "vae", "transformer", "scheduler"),
+    "wan2.1-causal-t2v": ("text_encoder", "vae", "transformer", "scheduler", "causal"),
 }
 
 
@@ -75,6 +76,12 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
         = 36, ``image_dim`` = 32 (CLIP hidden size), ``added_kv_proj_dim`` = 32 (inner dim).
         The pipeline needs the text length to be exactly 512 (WanAttnProcessor hard-codes it),
         which is the pipeline's default ``max_sequence_length``.
+
+    ``"wan2.1-causal-t2v"`` -> flowseam's causal Wan layout
+        The ``"wan2.1-t2v"`` pipeline, with ``"_flowseam_causal": {...}`` added to
+        ``model_index.json`` (the ``causal`` override: Self-Forcing settings such as
+        ``num_frame_per_block``; empty = flowseam's defaults). diffusers still loads it as a
+        ``WanPipeline`` (it ignores the key).
 
     ``"flux.1-t2i"`` -> :class:`diffusers.FluxPipeline` (FLUX.1-dev-like)
         * ``transformer``: ``FluxTransformer2DModel``, 2 double + 2 single blocks, 2 heads x 16
@@ -146,6 +153,10 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
 
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
+    if card == "wan2.1-causal-t2v":
+        index = json.loads((out / "model_index.json").read_text())
+        index["_flowseam_causal"] = dict(overrides.get("causal", {}))
+        (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     meta = {"generator": "flowseam.testing.tiny", "card": card, "seed": seed,
             "overrides": overrides}
     text = json.dumps(meta, indent=2, sort_keys=True, default=repr)
@@ -342,6 +353,7 @@ def _build_flux(ov: dict):
 
 
 _BUILDERS = {
+    "wan2.1-causal-t2v": lambda ov: _build_wan(ov, i2v=False),
     "wan2.1-t2v": lambda ov: _build_wan(ov, i2v=False),
     "wan2.1-i2v": lambda ov: _build_wan(ov, i2v=True),
     "flux.1-t2i": _build_flux,

@@ -26,7 +26,9 @@ Config (TOML/YAML or dict)::
                 placement = "PACK", reward_num_cpus, reward_num_gpus
     [sampling]  num_steps, height, width, num_frames, guidance_scale, noise_level, flow_shift,
                 negative_prompt, max_sequence_length, sde_window = [start, end] (SDE only on
-                those steps, ODE elsewhere; trains on them: Flow-GRPO-Fast)
+                those steps, ODE elsewhere; trains on them: Flow-GRPO-Fast); for a causal
+                checkpoint chunk_frames, local_attn_size, sink_size (one record per chunk
+                and step)
     [grpo]      clip_range, adv_clip_max, beta, inner_epochs, timestep_fraction, max_grad_norm, eps
     [optim]     lr, weight_decay, beta1, beta2, adam_eps
     [lora]      rank (0 = full fine-tune), alpha, target_modules
@@ -80,7 +82,8 @@ TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness",
                     ray={})
 SAMPLING_DEFAULTS = dict(num_steps=4, height=None, width=None, num_frames=None, guidance_scale=None,
                          noise_level=0.7, sde_window=None, flow_shift=None, negative_prompt=None,
-                         max_sequence_length=None)
+                         max_sequence_length=None, chunk_frames=None, local_attn_size=None,
+                         sink_size=None)
 
 
 def check_top(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..loops import LoopResult
+from ..loops import LoopResult, record_velocity
 from ..models.base import ModelInstance
 from .distributed import DataParallel
 
@@ -215,7 +215,7 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                 with dp.accumulate(policy, sync=last):
                     rec = res.records[j]
                     kernel = model.platform.kernels.pin(rec.impl_id)
-                    v = model.velocity(rec.latents, rec.timestep, res.cond, res.params, dit=policy)
+                    v = record_velocity(model, res, rec, dit=policy)  # the loop's own recompute
                     out = kernel(rec.latents, v, rec.sigma, rec.sigma_next, prev_sample=rec.next_latents,
                                  noise_level=res.params.noise_level, sigma_max=rec.sigma_max)
                     log_ratio = out.log_prob - rec.log_prob.to(out.log_prob.device)
@@ -225,8 +225,7 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                     rows = torch.maximum(unclipped, clipped)  # (B,)
                     if cfg.beta > 0 and reference is not None:
                         with torch.no_grad():
-                            v_ref = model.velocity(rec.latents, rec.timestep, res.cond, res.params,
-                                                   dit=reference)
+                            v_ref = record_velocity(model, res, rec, dit=reference)
                             ref = kernel(rec.latents, v_ref, rec.sigma, rec.sigma_next,
                                          prev_sample=rec.next_latents,
                                          noise_level=res.params.noise_level, sigma_max=rec.sigma_max)

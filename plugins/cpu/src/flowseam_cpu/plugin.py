@@ -29,6 +29,8 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
         KernelRegistration(ops.FLOW_MATCH_STEP, kernels.flow_match_step),
         KernelRegistration(ops.FLOW_SDE_STEP, kernels.flow_sde_step),
         KernelRegistration(ops.ATTENTION, kernels.attention),
+        KernelRegistration(ops.CACHED_ATTENTION, kernels.cached_attention),
+        KernelRegistration(ops.FLOW_RENOISE, kernels.flow_renoise),
     ]
 
 

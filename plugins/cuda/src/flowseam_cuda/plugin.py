@@ -49,6 +49,8 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
         KernelRegistration(ops.FLOW_MATCH_STEP, torch_kernels.flow_match_step, arch="generic"),
         KernelRegistration(ops.FLOW_SDE_STEP, torch_kernels.flow_sde_step, arch="generic"),
         KernelRegistration(ops.ATTENTION, torch_kernels.attention, arch="generic"),
+        KernelRegistration(ops.CACHED_ATTENTION, torch_kernels.cached_attention, arch="generic"),
+        KernelRegistration(ops.FLOW_RENOISE, torch_kernels.flow_renoise, arch="generic"),
     ]
 
 

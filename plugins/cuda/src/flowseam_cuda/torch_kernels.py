@@ -25,9 +25,16 @@ import inspect
 import torch
 import torch.nn.functional as F
 from flowseam.ops import check_attention
-from flowseam.ops.eager import attention, flow_match_step, flow_sde_step  # the generic rung
+from flowseam.ops.eager import (  # the generic rung
+    attention,
+    cached_attention,
+    flow_match_step,
+    flow_renoise,
+    flow_sde_step,
+)
 
-__all__ = ["attention", "attention_fast", "flow_match_step", "flow_sde_step"]
+__all__ = ["attention", "attention_fast", "cached_attention", "flow_match_step", "flow_renoise",
+           "flow_sde_step"]
 
 
 @functools.cache

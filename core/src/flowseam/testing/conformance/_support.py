@@ -114,6 +114,40 @@ ATTENTION_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
+class CachedAttentionCase:
+    """A chunk's q/k/v and the KV cache it attends to (``cache`` = (Lc, Dv); Lc 0 = empty)."""
+
+    id: str
+    q: tuple[int, ...]
+    kv: tuple[int, ...]          # (Lk, Dv): the chunk's own keys/values
+    cache: tuple[int, int] | None
+    scale: float | None = None
+
+
+CACHED_ATTENTION_CASES = (
+    CachedAttentionCase("no_cache", (2, 2, 6, 8), (6, 8), None),
+    CachedAttentionCase("empty_cache", (1, 2, 4, 8), (4, 8), (0, 8)),
+    CachedAttentionCase("cache", (2, 2, 6, 8), (6, 8), (18, 8)),
+    CachedAttentionCase("value_dim", (1, 3, 5, 16), (5, 12), (10, 12), scale=0.2),
+)
+
+
+@dataclass(frozen=True)
+class RenoiseCase:
+    id: str
+    sigma: float
+    shape: tuple[int, ...]
+
+
+RENOISE_CASES = (
+    RenoiseCase("sigma1", 1.0, (2, 16, 3, 4, 4)),
+    RenoiseCase("middle", 0.8333333, (3, 37)),
+    RenoiseCase("sigma0", 0.0, (1, 16, 64)),
+    RenoiseCase("large", 0.625, (2, 16, 3, 12, 20)),
+)
+
+
+@dataclass(frozen=True)
 class KernelCase:
     """One kernel check: a registration (op, arch), input dtypes and a step or attention case."""
 
@@ -123,6 +157,8 @@ class KernelCase:
     v_dtype: str = "float32"
     step: Step | None = None
     attention: AttentionCase | None = None
+    cached: CachedAttentionCase | None = None
+    renoise: RenoiseCase | None = None
 
     @property
     def compute_dtype(self) -> str:
@@ -149,6 +185,16 @@ def kernel_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
                 for case in ATTENTION_CASES:
                     yield (f"{name}-{dtype}-{case.id}",
                            KernelCase(reg.op, reg.arch, dtype, dtype, attention=case))
+        elif reg.op == ops.CACHED_ATTENTION:
+            for dtype in ATTENTION_DTYPES:
+                for case in CACHED_ATTENTION_CASES:
+                    yield (f"{name}-{dtype}-{case.id}",
+                           KernelCase(reg.op, reg.arch, dtype, dtype, cached=case))
+        elif reg.op == ops.FLOW_RENOISE:
+            for dtype_id, (xd, nd) in STEP_DTYPES.items():
+                for case in RENOISE_CASES:
+                    yield (f"{name}-{dtype_id}-{case.id}",
+                           KernelCase(reg.op, reg.arch, xd, nd, renoise=case))
         elif reg.op in (ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP):
             for dtype_id, (xd, vd) in STEP_DTYPES.items():
                 for step in STEPS:
@@ -200,8 +246,11 @@ def card_cases(choice: Any) -> Iterator[tuple[str, str]]:
 
 
 def component_cases(choice: Any) -> Iterator[tuple[str, tuple[str, Any]]]:
-    """Every component of every card: (card, ComponentEntry)."""
+    """Every component of every card: (card, ComponentEntry). The causal card is left out: its
+    components are wan2.1-t2v's classes and kinds, checked there."""
     for card in CARDS:
+        if card == "wan2.1-causal-t2v":
+            continue
         for entry in MODEL_CARDS[card].components:
             yield f"{card}-{entry.name}", (card, entry)
 
@@ -224,9 +273,14 @@ def conditioning_image():
 
 def request_for(card: str, *, sde_rollout: bool = False) -> GenerationRequest:
     """The one request every test of ``card`` uses (same shapes everywhere, so a compiling
-    backend compiles each graph once): 3 steps at 32x32, Wan with 5 frames and CFG, seed 3."""
+    backend compiles each graph once): 3 steps at 32x32, Wan with 5 frames and CFG, seed 3; the
+    causal card 9 frames in 3 chunks of one latent frame with a rolling window of 2 frames
+    (the sink frame and the chunk: the middle frame is evicted for the last chunk), no CFG."""
     common = dict(num_steps=3, height=32, width=32, seed=3, sde_rollout=sde_rollout)
-    if card.startswith("wan"):
+    if card == "wan2.1-causal-t2v":
+        params = DiffusionParams(num_frames=9, chunk_frames=1, local_attn_size=2, sink_size=1,
+                                 **common)
+    elif card.startswith("wan"):
         params = DiffusionParams(num_frames=5, guidance_scale=5.0,
                                  negative_prompt="blurry, low quality", **common)
     else:

@@ -109,10 +109,48 @@ def _check_attention(kernel, case: KernelCase, device: str) -> None:
     assert_close(out, want, q.dtype, "attention")
 
 
+def _check_cached_attention(kernel, case: KernelCase, device: str) -> None:
+    c, dtype = case.cached, case.x_dtype
+    B, H, Lq, D = c.q
+    Lk, Dv = c.kv
+    q = randn(c.q, 4, dtype, device)
+    k, v = randn((B, H, Lk, D), 5, dtype, device), randn((B, H, Lk, Dv), 6, dtype, device)
+    cache_k = cache_v = None
+    if c.cache is not None:
+        cache_k = randn((B, H, c.cache[0], D), 7, dtype, device)
+        cache_v = randn((B, H, c.cache[0], c.cache[1]), 8, dtype, device)
+    out = kernel(q, k, v, cache_k, cache_v, scale=c.scale)
+    want_shape = (B, H, Lq, Dv)
+    assert tuple(out.shape) == want_shape and out.dtype == q.dtype, \
+        f"cached_attention returned {out.dtype}{tuple(out.shape)}, expected {q.dtype}{want_shape}"
+    want = reference.cached_attention(
+        to_f64(q), to_f64(k), to_f64(v), None if cache_k is None else to_f64(cache_k),
+        None if cache_v is None else to_f64(cache_v), scale=c.scale)
+    assert_close(out, want, q.dtype, "cached_attention")
+    if cache_k is not None and c.cache[0]:  # the cache must matter: attend without it differs
+        alone = reference.cached_attention(to_f64(q), to_f64(k), to_f64(v), scale=c.scale)
+        assert np.abs(alone - want).max() > 1e-3, "the test's cache does not change the output"
+
+
+def _check_flow_renoise(kernel, case: KernelCase, device: str) -> None:
+    r = case.renoise
+    x0 = randn(r.shape, 1, case.x_dtype, device)
+    noise = randn(r.shape, 3, case.v_dtype, device)
+    out = kernel(x0, noise, r.sigma)
+    assert torch.is_tensor(out) and out.shape == x0.shape and out.dtype == x0.dtype, \
+        f"flow_renoise returned {getattr(out, 'dtype', type(out))}{tuple(getattr(out, 'shape', ()))};" \
+        f" the contract is x0's {x0.dtype}{tuple(x0.shape)}"
+    assert out.device == x0.device, f"flow_renoise returned a tensor on {out.device}"
+    want = reference.flow_renoise(to_f64(x0), to_f64(noise), r.sigma)
+    assert_close(out, want, x0.dtype, "flow_renoise")
+
+
 _CHECKS = {
     ops.FLOW_MATCH_STEP: _check_flow_match_step,
     ops.FLOW_SDE_STEP: _check_flow_sde_step,
     ops.ATTENTION: _check_attention,
+    ops.CACHED_ATTENTION: _check_cached_attention,
+    ops.FLOW_RENOISE: _check_flow_renoise,
 }
 
 
@@ -135,6 +173,25 @@ def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectat
         q = randn((2, 4, 8), 1, "float32", device)
         with pytest.raises(ValueError):
             kernel(q, q, q)
+        return
+    if flowseam_case.op == ops.CACHED_ATTENTION:
+        q = randn((1, 2, 4, 8), 1, "float32", device)
+        bad = [((q, q, q, randn((1, 2, 3, 6), 2, "float32", device),
+                 randn((1, 2, 3, 8), 3, "float32", device)), "cache head dim differs from k's"),
+               ((q, q, q, q, None), "cache_k without cache_v"),
+               ((randn((2, 4, 8), 1, "float32", device),) * 3 + (None, None), "3-d q/k/v")]
+        for args, what in bad:
+            with pytest.raises(ValueError):
+                kernel(*args)
+                pytest.fail(f"cached_attention accepted bad arguments ({what})")
+        return
+    if flowseam_case.op == ops.FLOW_RENOISE:
+        x0 = randn((2, 8), 1, "float32", device)
+        for args, what in (((x0, randn((2, 9), 2, "float32", device), 0.5), "noise shape"),
+                           ((x0, x0, 1.5), "sigma > 1"), ((x0, x0, -0.1), "sigma < 0")):
+            with pytest.raises(ValueError):
+                kernel(*args)
+                pytest.fail(f"flow_renoise accepted bad arguments ({what})")
         return
     x, v = randn((2, 8), 1, "float32", device), randn((2, 8), 2, "float32", device)
     bad = [((x, randn((2, 9), 3, "float32", device), 0.5, 0.4), "v's shape differs from x's"),

@@ -19,9 +19,9 @@ def test_serve_parity_with_cpu(flowseam_platform, flowseam_case, conformance_run
     latents and frames on the backend as on cpu, within the tolerance of the DiT's dtype."""
     card = flowseam_case
     ours, ref = conformance_runs.backend(flowseam_platform, card), conformance_runs.reference(card)
-    step = flowseam_platform.kernels.get(ops.FLOW_MATCH_STEP)
-    assert ours.result.kernels == {ops.FLOW_MATCH_STEP: step.impl_id}, \
-        f"the serve loop used {ours.result.kernels}, not the platform's {step.impl_id}"
+    resolved = {op: flowseam_platform.kernels.get(op).impl_id for op in ours.result.kernels}
+    assert ops.FLOW_MATCH_STEP in resolved and ours.result.kernels == resolved, \
+        f"the serve loop used {ours.result.kernels}, not the platform's {resolved}"
     dtype = ours.model.component_dtype(ours.model.DIT)
     assert_close(ours.result.latents, ref.result.latents, dtype, f"{card} final latents vs cpu")
     assert_close(ours.result.frames, ref.result.frames, dtype, f"{card} decoded frames vs cpu")
@@ -30,10 +30,11 @@ def test_serve_parity_with_cpu(flowseam_platform, flowseam_case, conformance_run
 @pytest.mark.flowseam_cases(cases=card_cases)
 def test_rollout_log_prob_recomputes(flowseam_platform, flowseam_case, conformance_runs):
     """C2 through a real rollout: ``run_loop(..., profile=ROLLOUT)`` with ``sde_rollout=True``
-    records every step; recomputing the velocity with ``model.velocity`` and the log-prob with
-    ``platform.kernels.pin(record.impl_id)`` (from ``prev_sample=record.next_latents``) gives the
-    rollout's log-prob: PPO ratio 1 within 1e-6 on every step, sigma == 1 and the last step to 0
-    included."""
+    records every step (every (chunk, step) of the causal loop); recomputing the velocity with
+    ``flowseam.record_velocity`` (the loop's own recompute: the causal loop rebuilds the KV
+    cache of the earlier chunks) and the log-prob with ``platform.kernels.pin(record.impl_id)``
+    (from ``prev_sample=record.next_latents``) gives the rollout's log-prob: PPO ratio 1 within
+    1e-6 on every step, sigma == 1 and the last step to 0 included."""
     import flowseam
 
     card = flowseam_case
@@ -44,16 +45,19 @@ def test_rollout_log_prob_recomputes(flowseam_platform, flowseam_case, conforman
                                decode=False)
     sde = platform.kernels.get(ops.FLOW_SDE_STEP)
     records = result.records
-    assert len(records) == result.params.num_steps, \
-        f"{len(records)} records for {result.params.num_steps} steps"
+    assert len(records) == result.params.num_steps * result.chunks, \
+        f"{len(records)} records for {result.params.num_steps} steps x {result.chunks} chunk(s)"
     assert records[0].sigma == 1.0 and records[-1].sigma_next == 0.0
+    if result.chunks > 1:
+        assert [r.chunk for r in records] == [c for c in range(result.chunks)
+                                              for _ in range(result.params.num_steps)]
     for rec in records:
         assert rec.impl_id == sde.impl_id, \
             f"step {rec.index} ran {rec.impl_id}, not the platform's {sde.impl_id}"
         assert rec.log_prob is not None and tuple(rec.log_prob.shape) == (rec.latents.shape[0],)
         kernel = platform.kernels.pin(rec.impl_id)
         with torch.no_grad():
-            v = model.velocity(rec.latents, rec.timestep, result.cond, result.params)
+            v = flowseam.record_velocity(model, result, rec)
             out = kernel(rec.latents, v, rec.sigma, rec.sigma_next, prev_sample=rec.next_latents,
                          noise_level=result.params.noise_level, sigma_max=rec.sigma_max)
         ratio = torch.exp(out.log_prob.double().cpu() - rec.log_prob.double().cpu())

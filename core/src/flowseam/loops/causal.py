@@ -1,0 +1,201 @@
+"""The ``wan_causal`` loop: a video generated chunk by chunk with a KV cache, and streamed.
+
+Self-Forcing (Huang et al. 2025, ``pipeline/causal_inference.py``) and CausVid (Yin et al.
+2025): the video's latent frames are split into chunks (``chunk_frames``, default 3); each chunk
+is denoised with a few steps while attending to the keys/values of every earlier chunk; each
+step predicts the clean chunk ``x0`` and re-noises it with *fresh* noise to the next sigma; after
+the last step one pass of the clean chunk at t = 0 writes its keys/values into the cache. A chunk
+is final as soon as it is denoised, so it is decoded and yielded right away (:func:`stream`).
+
+``stream`` reads top to bottom: check inputs → encode prompt → prepare latents and sigmas →
+resolve kernels → per chunk: denoise, decode and yield, then write the cache. The seam: the solver
+steps are ``platform.kernels``' ``flow_match_step`` (x0 = x - sigma v, an Euler step to sigma 0)
+and ``flow_renoise``, resolved once; the DiT's attention is the platform's ``cached_attention``
+(:mod:`flowseam.causal_attention`). With ``ExecutionProfile.ROLLOUT`` it captures one
+BehaviorRecord per (chunk, step). With ``sde_rollout`` each step is instead Flow-GRPO's SDE step
+``flow_sde_step`` between the chunk's sigmas (within ``sde_window``; the ODE/re-noise steps
+elsewhere), which gives every step a log-prob (the cache pass is unchanged). With
+``kv_cache=False`` every velocity is a full recompute of the prefix with the block-causal mask.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..noise import noise_like
+from ..request import GenerationRequest
+from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..models.wan_causal import WanCausalT2V
+
+
+@dataclass
+class Chunk:
+    """One finished chunk of a streamed video.
+
+    :ivar index: the chunk's index; ``start_frame`` its first latent frame.
+    :ivar latents: ``(B, 16, n, h, w)`` float32, the chunk's final latents.
+    :ivar frames: ``(B, f, H, W, 3)`` float32 in [0, 1], its decoded frames (``f`` = 1 + 4 (n-1)
+        for the first chunk, 4 n after; empty without decoding).
+    :ivar seconds: wall seconds from the start of the request to this chunk being ready.
+    :ivar result: on the last chunk only, the :class:`LoopResult` of the whole video.
+    """
+
+    index: int
+    start_frame: int
+    latents: torch.Tensor
+    frames: np.ndarray
+    seconds: float
+    result: LoopResult | None = None
+
+
+def stream(model: "WanCausalT2V", request: GenerationRequest,
+           profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
+           decode: bool = True, step_callback: StepCallback | None = None) -> Iterator[Chunk]:
+    """Generate ``request`` chunk by chunk, yielding each :class:`Chunk` as soon as it is decoded.
+
+    :param profile: SERVE, or ROLLOUT to capture a BehaviorRecord per (chunk, step).
+    :param progress: show a tqdm progress bar over the chunks.
+    :param decode: decode each chunk with the VAE (frames are empty otherwise).
+    :param step_callback: ``step_callback(i, chunks * steps, chunk latents)`` after every step
+        of every chunk (``i`` counts on across chunks); an exception it raises stops the loop.
+    :raises ValueError: for invalid requests, before any model runs.
+    """
+    t_start = time.perf_counter()
+    # 1. Check inputs: fill the defaults (card's, then the checkpoint's), validate, one
+    #    generator per sample.
+    params = model.check(request)
+    seeds = request.sample_seeds(params)
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+
+    # 2. Encode the prompt.
+    cond = model.encode(request, params)
+    t_encoded = time.perf_counter()
+
+    # 3. Prepare the whole video's initial noise (drawn at once, as Self-Forcing does), the
+    #    chunks, and the per-chunk sigma schedule.
+    noise = model.prepare_latents(request, params, generators, cond)
+    sigmas, timesteps = model.schedule(params, noise)
+    chunks = model.chunks(params)
+
+    # 4. Resolve the kernels once.
+    kernels = model.platform.kernels
+    euler, renoise = kernels.get(ops.FLOW_MATCH_STEP), kernels.get(ops.FLOW_RENOISE)
+    sde = kernels.get(ops.FLOW_SDE_STEP) if params.sde_rollout else None
+    window = range(*params.sde_window) if params.sde_window is not None else range(len(timesteps))
+    sigma_max = sigmas[1] if len(sigmas) > 2 else None
+    capture = profile is ExecutionProfile.ROLLOUT
+    cache = model.new_cache(params) if params.kv_cache else None
+    decoder = model.stream_decoder() if decode else None
+    output = torch.zeros_like(noise)
+    records: list[BehaviorRecord] = []
+    seconds = {"encode": t_encoded - t_start, "denoise": 0.0, "decode": 0.0}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(chunks), desc=f"{model.card.name} chunks", unit="chunk", leave=False)
+
+    for c, (start, n) in enumerate(chunks):
+        t_chunk = time.perf_counter()
+        x = noise[:, :, start:start + n]
+        # 5. Denoise the chunk: predict x0, re-noise it with fresh noise to the next sigma.
+        with torch.no_grad():
+            for i in range(len(timesteps)):
+                sigma, sigma_next = sigmas[i], sigmas[i + 1]
+                t = timesteps[i].expand(x.shape[0])
+                v = model.chunk_velocity(x, t, cond, params, cache, start, context=output[:, :, :start])
+                log_prob = None
+                if sde is not None and i in window:
+                    used = sde
+                    out = sde(x, v, sigma, sigma_next, noise=noise_like(x, generators),
+                              noise_level=params.noise_level, sigma_max=sigma_max)
+                    x_next, log_prob = out.sample, out.log_prob
+                else:
+                    x0 = euler(x, v, sigma, 0.0)
+                    if sigma_next > 0.0:
+                        used, x_next = renoise, renoise(x0, noise_like(x0, generators), sigma_next)
+                    else:
+                        used, x_next = euler, x0
+                if capture:
+                    records.append(BehaviorRecord(
+                        len(records), x, x_next, t, sigma, sigma_next, sigma_max, log_prob,
+                        used.impl_id, chunk=c, start_frame=start))
+                x = x_next
+                if step_callback is not None:
+                    step_callback(c * len(timesteps) + i, len(chunks) * len(timesteps), x)
+        output[:, :, start:start + n] = x
+        t_denoised = time.perf_counter()
+        seconds["denoise"] += t_denoised - t_chunk
+        # 6. Decode the chunk and hand it over (before the cache pass: the chunk is final).
+        frames = decoder.decode(x) if decoder is not None else np.zeros((0,), np.float32)
+        now = time.perf_counter()
+        seconds["decode"] += now - t_denoised
+        if bar is not None:
+            bar.update(1)
+        if c == 0:
+            first_chunk = now - t_start
+        result = None
+        if c == len(chunks) - 1:
+            if bar is not None:
+                bar.close()
+            used_kernels = {ops.FLOW_MATCH_STEP: euler.impl_id, ops.FLOW_RENOISE: renoise.impl_id}
+            if sde is not None:
+                used_kernels[ops.FLOW_SDE_STEP] = sde.impl_id
+            seconds["total"] = now - t_start
+            seconds["first_chunk"] = first_chunk
+            if cache is not None:
+                seconds["kv_cache_peak_bytes"] = float(cache.peak_bytes)
+            result = LoopResult(frames=np.zeros((0,), np.float32), latents=output, params=params,
+                                seeds=seeds, records=records, cond=cond, seconds=seconds,
+                                kernels=used_kernels, loop="wan_causal", chunks=len(chunks))
+        yield Chunk(c, start, x, frames, now - t_start, result)
+        # 7. Write the clean chunk's keys/values into the cache (one pass at t = 0).
+        if cache is not None and c < len(chunks) - 1:
+            t_commit = time.perf_counter()
+            model.commit_chunk(x, cond, params, cache, start)
+            seconds["denoise"] += time.perf_counter() - t_commit
+
+
+def run(model: "WanCausalT2V", request: GenerationRequest,
+        profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
+        decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
+    """The whole video at once: :func:`stream` with the chunks' frames joined along time.
+
+    :returns: a :class:`LoopResult`; ``frames`` ``(B, F, H, W, 3)``, ``loop == "wan_causal"``,
+        ``seconds["first_chunk"]`` the time to the first decoded chunk.
+    """
+    parts = list(stream(model, request, profile=profile, progress=progress, decode=decode,
+                        step_callback=step_callback))
+    result = parts[-1].result
+    if decode:
+        result.frames = np.concatenate([p.frames for p in parts], axis=1)
+    return result
+
+
+def record_velocity(model: "WanCausalT2V", result: LoopResult, record: BehaviorRecord,
+                    dit: torch.nn.Module | None = None) -> torch.Tensor:
+    """The velocity ``dit`` predicts at ``record``'s step, as the rollout computed it: the cache
+    of the chunks before ``record.chunk`` is rebuilt from the rollout's final (clean) latents with
+    ``dit`` (no gradient: the context is data, as in Self-Forcing's training), then the chunk's
+    velocity is computed (with gradients if enabled). With the rollout's own weights the result
+    is bit for bit the rollout's velocity (C2).
+    """
+    params, start = result.params, record.start_frame
+    context = result.latents[:, :, :start]
+    cache = None
+    if params.kv_cache:
+        cache = model.new_cache(params)
+        for c_start, n in model.chunks(params):
+            if c_start >= start:
+                break
+            model.commit_chunk(context[:, :, c_start:c_start + n], result.cond, params, cache,
+                               c_start, dit=dit)
+    return model.chunk_velocity(record.latents, record.timestep, result.cond, params, cache, start,
+                                context=context, dit=dit)
