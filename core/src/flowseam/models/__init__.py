@@ -31,8 +31,9 @@ def card_for_index(index: dict[str, Any], source: str = "model_index.json") -> M
             continue
         if card.pipeline_class == cls:
             return card
-    known = {c.pipeline_class: c.name for c in CARDS.values()}
-    raise ValueError(f"{source}: _class_name={cls!r} has no flowseam model card; known: {known}")
+    known = {c.pipeline_class: c.name for c in CARDS.values() if c is not WAN_CAUSAL_T2V}
+    raise ValueError(f"{source}: _class_name={cls!r} has no flowseam model card; known: {known} "
+                     f"(and WanPipeline with _flowseam_causal: {WAN_CAUSAL_T2V.name})")
 
 
 __all__ = ["CARDS", "ComponentEntry", "Conditioning", "FLUX_T2I", "FluxT2I", "ModelCard",

@@ -1,0 +1,104 @@
+"""The wan_causal loop: time-to-first-chunk, KV cache vs full recompute, memory with a window.
+
+A small but non-trivial causal Wan config (4 layers, inner width 128 = 4 heads x 32, ffn 256;
+64x64 px = 8x8 latents = 16 tokens per latent frame; 7 chunks of 3 latent frames = 81 frames;
+Self-Forcing's 4 steps, no CFG), random weights written by
+``flowseam.testing.tiny.write_tiny_checkpoint("wan2.1-causal-t2v", ...)``. Three measurements:
+
+1. time-to-first-chunk vs the whole video's time (streamed, decoded chunk by chunk);
+2. KV-cached vs full recompute (``kv_cache=False``: the whole prefix with the block-causal mask
+   at every step), alternating after a warm-up, median wall seconds and their ratio (goal <= 0.5),
+   and the max difference of their outputs;
+3. memory as the video grows 7 → 14 → 28 chunks (2x, 4x), without and with a rolling window
+   (``local_attn_size=9, sink_size=3`` latent frames): the KV cache's peak bytes (exact, summed
+   over layers) and the peak resident-memory growth of the run (sampled from /proc every 2 ms;
+   the stream's frames are dropped as they arrive, as a server would after sending them).
+
+Run: .venv/bin/python bench/causal.py [--repeats 3] [--backend cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from generate_vs_diffusers import PeakRSS  # noqa: E402  (bench/ is the script's directory)
+
+PROMPT = "a red ball rolling on the grass"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import flowseam
+    from flowseam import DiffusionParams
+    from flowseam.console import quiet_libraries
+    from flowseam.testing.tiny import write_tiny_checkpoint
+
+    quiet_libraries()
+    root = Path(tempfile.mkdtemp(prefix="flowseam-bench-causal-"))
+    ckpt = write_tiny_checkpoint(
+        "wan2.1-causal-t2v", root / "ckpt",
+        transformer=dict(num_layers=4, num_attention_heads=4, attention_head_dim=32, ffn_dim=256))
+    model = flowseam.load(ckpt, platform=flowseam.Platform(args.backend))
+    base = DiffusionParams(num_frames=81, height=64, width=64, seed=0)  # 21 latent frames, 7 chunks
+
+    def stream(params):
+        first = total = None
+        cache_bytes = 0
+        for chunk in model.generate_stream(PROMPT, params=params):
+            if chunk.index == 0:
+                first = chunk.seconds
+            if chunk.result is not None:
+                total = chunk.seconds
+                cache_bytes = chunk.result.seconds.get("kv_cache_peak_bytes", 0.0)
+                latents = chunk.result.latents
+        return first, total, cache_bytes, latents
+
+    # warm-up (both paths)
+    stream(base)
+    stream(base.replace(kv_cache=False))
+
+    firsts, totals, fulls = [], [], []
+    for _ in range(args.repeats):
+        f, t, _, cached = stream(base)
+        firsts.append(f)
+        totals.append(t)
+        _, t_full, _, full = stream(base.replace(kv_cache=False))
+        fulls.append(t_full)
+    diff = float((cached - full).abs().max())
+    med = statistics.median
+    print(f"backend {args.backend}, 81 frames at 64x64 (21 latent frames, 7 chunks of 3), 4 steps, "
+          f"{args.repeats} alternating repeats, medians:")
+    print(f"  time-to-first-chunk {med(firsts):.3f} s, whole video {med(totals):.3f} s "
+          f"(first chunk at {med(firsts) / med(totals):.0%} of the video's time)")
+    print(f"  KV-cached {med(totals):.3f} s vs full recompute {med(fulls):.3f} s: ratio "
+          f"{med(totals) / med(fulls):.3f} (goal <= 0.5); max |diff| {diff:.2e}")
+
+    print("  memory as the video grows (frames dropped as they stream):")
+    print(f"  {'chunks':>6} {'window':>14} {'KV cache peak':>14} {'RSS growth':>11} {'seconds':>8}")
+    for window in (None, (9, 3)):
+        for chunks in (7, 14, 28):
+            params = base.replace(num_frames=4 * (3 * chunks - 1) + 1)
+            if window is not None:
+                params = params.replace(local_attn_size=window[0], sink_size=window[1])
+            with PeakRSS() as rss:
+                _, total, cache_bytes, _ = stream(params)
+            label = "none" if window is None else f"{window[0]} (sink {window[1]})"
+            print(f"  {chunks:>6} {label:>14} {cache_bytes / 2**20:>11.2f} MiB "
+                  f"{rss.growth / 2**20:>7.1f} MiB {total:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
