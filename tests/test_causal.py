@@ -19,8 +19,6 @@ import flowseam
 from flowseam import DiffusionParams, ExecutionProfile, GenerationRequest, TaskType, ops
 from flowseam.testing.tiny import write_tiny_checkpoint
 
-pytestmark = pytest.mark.backends  # loads and generates: rerun with only cpu installed
-
 PROMPT = "a red ball rolling on the grass"
 # 21 frames = 6 latent frames = 3 chunks of 2; 32x32 pixels = 4x4 latents (2x2 tokens per frame)
 BASE = dict(num_frames=21, height=32, width=32, chunk_frames=2, seed=5)
@@ -52,6 +50,7 @@ def _dit_calls(model):
 
 # -- the loop ----------------------------------------------------------------------------------
 
+@pytest.mark.backends  # resolves kernels and generates: rerun with only cpu
 def test_card_selected_from_checkpoint_and_kernels_on_the_seam(ckpt, model):
     index = json.loads((ckpt / "model_index.json").read_text())
     assert index["_class_name"] == "WanPipeline" and index["_flowseam_causal"] == {}
@@ -84,6 +83,7 @@ def test_card_selected_from_checkpoint_and_kernels_on_the_seam(ckpt, model):
     assert original is cached
 
 
+@pytest.mark.backends
 @pytest.mark.parametrize("window", [None, (3, 1)], ids=["no_window", "window3_sink1"])
 def test_kv_cache_equals_full_recompute_with_block_causal_mask(model, window):
     """C1: the KV-cached rollout (3 chunks) equals recomputing the whole prefix at every step
@@ -149,6 +149,7 @@ def test_equals_skyreels_v2_diffusion_forcing_transformer(ckpt, model):
     assert float((ours.latents[:, :, 2:] - noise[:, :, 2:]).abs().max()) > 0.1
 
 
+@pytest.mark.backends  # resolves kernels and generates: rerun with only cpu
 def test_streamed_chunks_are_the_video(model):
     calls, handle = _dit_calls(model)
     try:
@@ -169,6 +170,13 @@ def test_streamed_chunks_are_the_video(model):
     # and the per-chunk decode equals the VAE decoding the whole video at once
     np.testing.assert_allclose(model.decode(whole.latents, whole.params), whole.frames, atol=1e-6)
     assert rest[-1].result.seconds["first_chunk"] == pytest.approx(first.seconds)
+
+
+def test_finetune_refuses_a_causal_checkpoint(model):
+    from flowseam.training.finetune import Finetune
+
+    with pytest.raises(flowseam.FlowseamError, match="runs the wan_causal loop"):
+        Finetune(dict(data=[{"prompt": "x", "video": "x.npy"}]), model=model)
 
 
 def test_flow_match_models_refuse_to_stream_and_causal_params(tmp_path):

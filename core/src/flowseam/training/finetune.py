@@ -146,6 +146,10 @@ class Finetune:
                 raise FlowseamError("config needs model = <checkpoint directory>")
             model = load(cfg["model"], platform=self.dp.platform(
                 lambda: Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()))
+        if model.card.loops[0] != "flow_match":
+            raise FlowseamError(f"finetune's loss is the bidirectional flow-matching loss; "
+                                f"{model.card.name} runs the {model.card.loops[0]} loop, which it "
+                                "does not implement (train causal checkpoints with flowgrpo)")
         self.model = model
         self.dataset = list(dataset) if dataset is not None else read_dataset(cfg["data"] or "")
         if cfg["batch_size"] < 1:
