@@ -102,6 +102,23 @@ def test_kv_cache_equals_full_recompute_with_block_causal_mask(model, window):
         assert torch.allclose(unbounded.latents[:, :, :2], cached.latents[:, :, :2], atol=1e-5)
 
 
+def test_rolling_window_bounds_the_cache(model):
+    """The KV cache's peak grows with the video without a window and stays flat with one."""
+    def peak(frames, **over):
+        params = DiffusionParams(**{**BASE, "num_frames": frames, "chunk_frames": 1, "num_steps": 1,
+                                    **over})
+        return flowseam.run_loop(model, GenerationRequest(PROMPT, TaskType.T2V, params),
+                                 decode=False).kv_cache_peak_bytes
+
+    config = model.dit.config  # keys and values of 4 tokens per frame in every layer, float32
+    per_frame = 2 * config.num_layers * config.num_attention_heads * config.attention_head_dim * 4 * 4
+    # 4 and 6 one-frame chunks: every chunk but the last is committed
+    assert peak(13) == 3 * per_frame and peak(21) == 5 * per_frame
+    # window 3, sink 1: the sink frame, the previous frame and the chunk just committed
+    assert peak(13, local_attn_size=3, sink_size=1) == peak(21, local_attn_size=3, sink_size=1) \
+        == 3 * per_frame
+
+
 def test_kv_cache_equals_full_recompute_with_cfg(model):
     cached = _generate(model, guidance_scale=4.0, negative_prompt="blurry")
     full = _generate(model, guidance_scale=4.0, negative_prompt="blurry", kv_cache=False)

@@ -150,11 +150,10 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
                 used_kernels[ops.FLOW_SDE_STEP] = sde.impl_id
             seconds["total"] = now - t_start
             seconds["first_chunk"] = first_chunk
-            if cache is not None:
-                seconds["kv_cache_peak_bytes"] = float(cache.peak_bytes)
             result = LoopResult(frames=np.zeros((0,), np.float32), latents=output, params=params,
                                 seeds=seeds, records=records, cond=cond, seconds=seconds,
-                                kernels=used_kernels, loop="wan_causal", chunks=len(chunks))
+                                kernels=used_kernels, loop="wan_causal", chunks=len(chunks),
+                                kv_cache_peak_bytes=cache.peak_bytes if cache is not None else 0)
         yield Chunk(c, start, x, frames, now - t_start, result)
         # 7. Write the clean chunk's keys/values into the cache (one pass at t = 0).
         if cache is not None and c < len(chunks) - 1:

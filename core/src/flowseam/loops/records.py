@@ -73,6 +73,7 @@ class LoopResult:
         steps are ``flow_match_step``; each BehaviorRecord names its own kernel).
     :ivar loop: the loop that ran (``"flow_match"``, ``"wan_causal"``, ...).
     :ivar chunks: how many chunks the video was generated in (1 outside the causal loop).
+    :ivar kv_cache_peak_bytes: the most bytes the causal loop's KV cache held (all layers).
     """
 
     frames: np.ndarray
@@ -85,3 +86,4 @@ class LoopResult:
     kernels: dict[str, str] = field(default_factory=dict)
     loop: str = "flow_match"
     chunks: int = 1
+    kv_cache_peak_bytes: int = 0

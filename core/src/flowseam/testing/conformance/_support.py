@@ -274,11 +274,13 @@ def conditioning_image():
 def request_for(card: str, *, sde_rollout: bool = False) -> GenerationRequest:
     """The one request every test of ``card`` uses (same shapes everywhere, so a compiling
     backend compiles each graph once): 3 steps at 32x32, Wan with 5 frames and CFG, seed 3; the
-    causal card 9 frames in 3 chunks of one latent frame with a rolling window of 2 frames
-    (the sink frame and the chunk: the middle frame is evicted for the last chunk), no CFG."""
+    causal card 13 frames in 2 chunks of 2 latent frames (each chunk the DiT input shape of the
+    wan2.1-t2v request, so a compiling backend reuses that graph's code) with CFG and a rolling
+    window of 3 frames with 1 sink frame (frame 1 is evicted for the second chunk)."""
     common = dict(num_steps=3, height=32, width=32, seed=3, sde_rollout=sde_rollout)
     if card == "wan2.1-causal-t2v":
-        params = DiffusionParams(num_frames=9, chunk_frames=1, local_attn_size=2, sink_size=1,
+        params = DiffusionParams(num_frames=13, chunk_frames=2, local_attn_size=3, sink_size=1,
+                                 guidance_scale=5.0, negative_prompt="blurry, low quality",
                                  **common)
     elif card.startswith("wan"):
         params = DiffusionParams(num_frames=5, guidance_scale=5.0,
