@@ -194,8 +194,8 @@ def test_models_health_and_metrics(server):
         text = http.get("/metrics").text
     assert metric(text, "flowseam_queue_depth", model="wan2.1-t2v") == 0
     assert metric(text, "flowseam_worker_up", model="flux.1-t2i") == 1
-    assert metric(text, "flowseam_cpu_memory_rss_bytes") > 50 * 2**20
-    assert metric(text, "flowseam_cpu_memory_available_bytes") > 0
+    assert metric(text, "flowseam_host_memory_rss_bytes") > 50 * 2**20
+    assert metric(text, "flowseam_host_memory_available_bytes") > 0
     assert "# TYPE flowseam_gpu_memory_allocated_bytes gauge" in text
     assert "# TYPE flowseam_step_seconds histogram" in text
     assert metric(text, "flowseam_jobs", status="queued") >= 0

@@ -259,9 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", action="append", required=True, metavar="PATH",
                    help="diffusers-format checkpoint directory or hub id (repeat to serve several; "
                         "each is served under its directory's name)")
-    s.add_argument("--workflow", help="also serve a cross-model workflow, e.g. t2i-i2v (its stages: "
-                                      "the first text-to-image and the first image-to-video "
-                                      "--model)")
+    s.add_argument("--workflow",
+                   help="also serve a cross-model workflow, e.g. t2i-i2v (its stages: the first "
+                        "text-to-image and the first image-to-video --model)")
     s.add_argument("--backend", action="append",
                    help="backend name (default: the highest-priority available); once, or once "
                         "per --model")

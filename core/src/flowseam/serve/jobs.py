@@ -144,8 +144,9 @@ class JobStore:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _job(row) if row is not None else None
 
-    def list(self, kind: str, *, statuses: Iterable[str] = PUBLIC_STATUSES, after: str | None = None,
-             limit: int = 20, order: str = "desc") -> tuple[list[Job], bool]:
+    def list(self, kind: str, *, statuses: Iterable[str] = PUBLIC_STATUSES,
+             after: str | None = None, limit: int = 20,
+             order: str = "desc") -> tuple[list[Job], bool]:
         """Jobs of ``kind`` by creation time (``order`` asc|desc), starting after the job
         ``after``; returns (at most ``limit`` jobs, whether there are more)."""
         statuses = tuple(statuses)

@@ -10,7 +10,7 @@ mix). Exported families:
   callbacks of a loop run, whatever its batch size (histogram);
 * ``flowseam_batch_size{model}``: samples per loop run (histogram);
 * ``flowseam_worker_up{model}``: 1 while the model's worker thread runs (gauge);
-* ``flowseam_cpu_memory_rss_bytes`` / ``flowseam_cpu_memory_available_bytes``: this process's
+* ``flowseam_host_memory_rss_bytes`` / ``flowseam_host_memory_available_bytes``: this process's
   resident memory and the machine's available memory (psutil);
 * ``flowseam_gpu_memory_allocated_bytes{device}`` / ``flowseam_gpu_memory_reserved_bytes{device}``:
   torch's CUDA caching allocator per GPU (no samples on a machine without CUDA);
@@ -74,9 +74,9 @@ class _StateCollector:
         for status, count in self.engine.store.counts().items():
             jobs.add_metric([status], count)
         yield jobs
-        yield GaugeMetricFamily("flowseam_cpu_memory_rss_bytes", "Resident memory of the server",
+        yield GaugeMetricFamily("flowseam_host_memory_rss_bytes", "Resident memory of the server",
                                 value=psutil.Process().memory_info().rss)
-        yield GaugeMetricFamily("flowseam_cpu_memory_available_bytes",
+        yield GaugeMetricFamily("flowseam_host_memory_available_bytes",
                                 "Memory available on the machine",
                                 value=psutil.virtual_memory().available)
         allocated = GaugeMetricFamily("flowseam_gpu_memory_allocated_bytes",
