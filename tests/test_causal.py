@@ -196,6 +196,22 @@ def test_finetune_refuses_a_causal_checkpoint(model):
         Finetune(dict(data=[{"prompt": "x", "video": "x.npy"}]), model=model)
 
 
+def test_step_callback_counts_chunks_and_steps_and_cancels(model):
+    """``flowseam serve``'s progress and cancellation hook: called after every (chunk, step)."""
+    seen = []
+    req = GenerationRequest(PROMPT, TaskType.T2V, DiffusionParams(**{**BASE, "num_steps": 2}))
+    flowseam.run_loop(model, req, decode=False,
+                      step_callback=lambda i, n, latents: seen.append((i, n, latents.shape[2])))
+    assert seen == [(i, 6, 2) for i in range(6)]
+
+    def cancel(i, n, latents):
+        if i == 2:
+            raise KeyboardInterrupt("cancelled")
+
+    with pytest.raises(KeyboardInterrupt):
+        flowseam.run_loop(model, req, decode=False, step_callback=cancel)
+
+
 def test_flow_match_models_refuse_to_stream_and_causal_params(tmp_path):
     ckpt = write_tiny_checkpoint("wan2.1-t2v", tmp_path / "wan")
     wan = flowseam.load(ckpt, platform=flowseam.Platform("cpu"))
