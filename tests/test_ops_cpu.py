@@ -177,13 +177,44 @@ def test_shape_mismatch_raises_naming_shapes(cpu):
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(noise_level=0.0), "noise_level=0.0"),
+    (dict(noise_level=-0.1), "noise_level=-0.1"),
     (dict(noise_level=float("inf")), "noise_level=inf"),
 ])
 def test_sde_step_rejects_degenerate_noise_level(cpu, bad, match):
     x = torch.zeros(1, 4)
     with pytest.raises(ValueError, match=match):
         cpu.kernels.get(ops.FLOW_SDE_STEP)(x, x, 0.5, 0.4, **bad)
+
+
+@pytest.mark.parametrize("sigma,sigma_next", [(1.0, 0.9), (0.6, 0.45), (0.1, 0.0)])
+def test_sde_step_at_noise_level_zero_is_the_euler_step_with_log_prob_zero(cpu, sigma, sigma_next):
+    """Flow-GRPO evaluates with noise_level=0: the sample is the mean, which is then the Euler
+    step (std_dev_t = 0 in eq. 9); no sigma_max is needed at sigma 1, the generator is not
+    drawn from, and the log-prob is defined as 0 (the contract in flowseam.ops)."""
+    step = cpu.kernels.get(ops.FLOW_SDE_STEP)
+    x, v = _rand(2, 4, 3, 3, seed=30), _rand(2, 4, 3, 3, seed=31)
+    generator = torch.Generator().manual_seed(7)
+    out = step(x, v, sigma, sigma_next, noise_level=0.0, generator=generator)
+    euler = x + (sigma_next - sigma) * v  # hand formula
+    torch.testing.assert_close(out.sample, euler, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.mean, euler, rtol=0, atol=1e-6)
+    assert float(out.std) == 0.0 and torch.equal(out.log_prob, torch.zeros(2))
+    assert torch.equal(torch.randn(3, generator=generator),
+                       torch.randn(3, generator=torch.Generator().manual_seed(7)))
+    again = step(x, v, sigma, sigma_next, noise_level=0.0, prev_sample=out.sample + 1)
+    assert torch.equal(again.sample, out.sample + 1) and torch.equal(again.log_prob, torch.zeros(2))
+    ref = reference.flow_sde_step(x.numpy(), v.numpy(), sigma, sigma_next, noise_level=0.0)
+    np.testing.assert_allclose(out.sample.numpy(), ref.sample, rtol=RTOL, atol=ATOL)
+    assert not ref.log_prob.any()
+
+
+@pytest.mark.parametrize("op", [ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP, ops.FLOW_STOCHASTIC_STEP])
+def test_per_sample_sigma_is_refused_with_the_reason(cpu, op):
+    x = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"sigma has shape \(2,\).*one scalar sigma.*group the rows"):
+        cpu.kernels.get(op)(x, x, torch.tensor([0.5, 0.6]), 0.4)
+    out = cpu.kernels.get(ops.FLOW_MATCH_STEP)(x, x, torch.tensor([0.5]), 0.4)  # one element: ok
+    assert out.shape == x.shape
 
 
 def test_non_float_tensors_and_non_numeric_sigmas_are_rejected(cpu):
@@ -213,3 +244,88 @@ def test_attention_fully_masked_row_is_zero_like_torch(cpu):
     ref = reference.attention(q.numpy(), k.numpy(), v.numpy(), attn_mask=mask.numpy())
     np.testing.assert_allclose(out.numpy(), ref, rtol=RTOL, atol=ATOL)
     assert not ref[0, 0, 1].any()
+
+
+# -- the multistep and stochastic solvers against diffusers' schedulers (an independent source) ---
+
+def _fake_velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """A smooth, non-linear stand-in for a DiT (the solvers only see its outputs)."""
+    target = _rand(2, 4, 3, 3, seed=40)
+    w = _rand(4, 4, seed=41) * 0.3
+    return (x - target) + 0.2 * torch.tanh(torch.einsum("ij,bj...->bi...", w, x)) * sigma
+
+
+@pytest.mark.parametrize("order,solver_type,final,disable", [
+    (1, "bh2", "zero", []), (2, "bh2", "zero", []), (3, "bh2", "zero", []),
+    (2, "bh1", "sigma_min", []), (3, "bh1", "sigma_min", [0]), (3, "bh2", "zero", [1, 2]),
+])
+def test_unipc_step_runs_diffusers_unipc_schedule(cpu, order, solver_type, final, disable):
+    """A whole UniPC run (flow sigmas, flow prediction) stepped by the cpu kernel and by the numpy
+    oracle, driven by ops.unipc_order and the corrector rule, equals diffusers'
+    UniPCMultistepScheduler.step run on the same velocities (float32 within 1e-5), and its order
+    sequence is diffusers' own; orders differ from each other (the input matters)."""
+    import diffusers
+
+    sched = diffusers.UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+        solver_order=order, solver_type=solver_type, final_sigmas_type=final,
+        disable_corrector=disable)
+    n = 6
+    sched.set_timesteps(n)
+    sigmas = sched.sigmas.tolist()
+    x0 = _rand(2, 4, 3, 3, seed=42)
+    theirs, their_orders = x0.clone(), []
+    for i, t in enumerate(sched.timesteps):
+        theirs = sched.step(_fake_velocity(theirs, sigmas[i]), t, theirs).prev_sample
+        their_orders.append(sched.this_order)
+    step = cpu.kernels.get(ops.UNIPC_STEP)
+    ours, state = x0.clone(), ops.UniPCState.empty()
+    oracle, ref_state = x0.double().numpy(), ops.UniPCState.empty()
+    orders = [ops.unipc_order(i, n, order, True) for i in range(n)]
+    for i in range(n):
+        kw = dict(order=orders[i], solver_type=solver_type,
+                  corrector=i > 0 and (i - 1) not in disable)
+        ours, state = step(ours, _fake_velocity(ours, sigmas[i]), sigmas[i], sigmas[i + 1],
+                           state, **kw)
+        v = _fake_velocity(torch.from_numpy(oracle).float(), sigmas[i]).double().numpy()
+        oracle, ref_state = reference.unipc_step(oracle, v, sigmas[i], sigmas[i + 1], ref_state, **kw)
+    assert orders == their_orders
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(oracle, theirs.double().numpy(), rtol=RTOL, atol=ATOL)
+    if order > 1:  # the history matters: a first-order run ends elsewhere
+        first, st = x0.clone(), ops.UniPCState.empty()
+        for i in range(n):
+            first, st = step(first, _fake_velocity(first, sigmas[i]), sigmas[i], sigmas[i + 1], st,
+                             order=1, solver_type=solver_type, corrector=False)
+        assert (first - ours).abs().max() > 1e-3
+
+
+def test_unipc_bh1_to_sigma_zero_is_the_data_prediction(cpu):
+    """diffusers 0.42 returns NaN for bh1 at a final sigma of 0 (it multiplies B(h) = -inf by a
+    zero residual); the op takes the limit: the sample is x - sigma * v (hand formula)."""
+    step = cpu.kernels.get(ops.UNIPC_STEP)
+    x, v = _rand(2, 4, 3, 3, seed=43), _rand(2, 4, 3, 3, seed=44)
+    hist = ops.UniPCState((0.3,), (_rand(2, 4, 3, 3, seed=45),), _rand(2, 4, 3, 3, seed=46), 1)
+    for solver_type in ("bh1", "bh2"):
+        out = step(x, v, 0.1, 0.0, hist, order=1, solver_type=solver_type, corrector=False)
+        torch.testing.assert_close(out.sample, x - 0.1 * v, rtol=0, atol=1e-6)
+
+
+def test_flow_stochastic_step_matches_diffusers_stochastic_sampling(cpu):
+    """diffusers' FlowMatchEulerDiscreteScheduler(stochastic_sampling=True).step with a list of
+    per-sample generators equals the op with the noise drawn the same way (flowseam.noise)."""
+    import diffusers
+
+    from flowseam.noise import noise_like
+
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
+    sched.set_timesteps(4)
+    x, v = _rand(2, 4, 3, 3, seed=47), _rand(2, 4, 3, 3, seed=48)
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    theirs = sched.step(v, sched.timesteps[1], x, generator=gens).prev_sample
+    sigma, sigma_next = sched.sigmas[1].item(), sched.sigmas[2].item()
+    noise = noise_like(x, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    ours = cpu.kernels.get(ops.FLOW_STOCHASTIC_STEP)(x, v, sigma, sigma_next, noise=noise)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=RTOL, atol=ATOL)
+    euler = cpu.kernels.get(ops.FLOW_MATCH_STEP)(x, v, sigma, sigma_next)
+    assert (ours - euler).abs().max() > 1e-2  # the re-noising is not the ODE step

@@ -61,7 +61,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              height=args.height, width=args.width, num_frames=args.frames,
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
                              chunk_frames=args.chunk_frames, local_attn_size=args.local_attn_size,
-                             sink_size=args.sink_size)
+                             sink_size=args.sink_size, guidance_scale_2=args.guidance_2)
+    ignore = tuple(args.ignore_scheduler_option or ())
     backends = args.backend or [None]
     if len(backends) > (2 if args.workflow else 1):
         raise ValueError(f"--backend given {len(backends)} times; once, or once per workflow stage")
@@ -70,14 +71,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.workflow is not None:
         # each stage keeps its own platform resolution (a second --backend sets stage 2's)
-        t2i, i2v = load(args.model[0], platform=platform), load(args.model[1], platform=platforms[-1])
+        t2i = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
+        i2v = load(args.model[1], platform=platforms[-1], ignore_scheduler_options=ignore)
         workflow = WORKFLOWS[args.workflow](t2i, i2v)
         image_params, video_params = workflow.stage_params(params)
         result = workflow.run(args.prompt, t2i_params=image_params, i2v_params=video_params,
                               seed=args.seed, progress=True)
-        frames, models = result.frames, [t2i, i2v]
+        frames, models, runs = result.frames, [t2i, i2v], result.stages
     elif args.stream:
-        model = load(args.model[0], platform=platform)
+        model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
         if args.image is not None:
             raise ValueError("--stream generates from text; --image is for image-to-video")
         chunks = model.generate_stream(args.prompt, params=params)  # refuses a non-causal model
@@ -95,16 +97,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{model.provenance()}")
         return 0
     else:
-        model = load(args.model[0], platform=platform)
+        model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
         result = model.generate(args.prompt, image=args.image, params=params, progress=True)
-        frames, models = result.frames, [model]
+        frames, models, runs = result.frames, [model], [result]
     if frames.shape[1] > 1 and suffix in media.IMAGE_SUFFIXES:
         raise ValueError(f"--output {args.output}: this request makes a {frames.shape[1]}-frame "
                          "video; use .mp4 or .gif")
     media.write_output(args.output, frames[0], fps=args.fps)
     seconds = time.perf_counter() - started
+    # one line: the output, then per model where its parts came from and the solver that ran
     print(f"wrote {args.output} ({frames.shape[1]} frame(s) of {frames.shape[2]}x{frames.shape[3]}) "
-          f"in {seconds:.2f} s | " + " | ".join(m.provenance() for m in models))
+          f"in {seconds:.2f} s | " + " | ".join(f"{m.provenance(solver=False)}; {r.solver or m.solver_line()}"
+                                                for m, r in zip(models, runs)))
     return 0
 
 
@@ -220,7 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workflow", help="a cross-model workflow, e.g. t2i-i2v")
     g.add_argument("--steps", type=int, help="denoising steps (card default if unset)")
     g.add_argument("--guidance", type=float, help="guidance scale")
-    g.add_argument("--flow-shift", type=float, help="flow shift of the sigma schedule")
+    g.add_argument("--guidance-2", type=float,
+                   help="guidance scale of the low-noise expert of a two-expert (Wan2.2) model "
+                        "(default: --guidance)")
+    g.add_argument("--flow-shift", type=float,
+                   help="override the flow shift of the checkpoint's scheduler (default: the "
+                        "checkpoint's own)")
+    g.add_argument("--ignore-scheduler-option", action="append", metavar="NAME",
+                   help="a scheduler_config.json option flowseam does not implement, to ignore "
+                        "with a warning instead of refusing (repeatable; _class_name runs the "
+                        "card's default scheduler)")
     g.add_argument("--negative-prompt")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--frames", type=int, help="video length in frames (Wan: 4k+1)")

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .components import ComponentSpec
 from .errors import FlowseamError
-from .models import card_for_index
-from .models.base import ModelInstance
+from .models import card_for_index, declared
+from .models.base import ModelCard, ModelInstance
 from .platform import Platform
+from .request import TaskType
 
 
 def resolve_checkpoint(path_or_hub_id: str | os.PathLike) -> Path:
@@ -50,46 +53,137 @@ def read_json(path: Path) -> dict[str, Any]:
         raise FlowseamError(f"corrupt checkpoint file {path}: {exc}") from exc
 
 
-def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None) -> ModelInstance:
-    """Load a diffusers-format checkpoint (WanPipeline, WanImageToVideoPipeline or FluxPipeline
-    layout, or flowseam's causal Wan layout) into a flowseam model instance.
+def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
+         ignore_scheduler_options: Iterable[str] = (), quiet: bool = False) -> ModelInstance:
+    """Load a diffusers-format checkpoint (WanPipeline, WanImageToVideoPipeline, Wan2.2's
+    two-expert layouts of both, FluxPipeline, or flowseam's causal Wan layout) into a flowseam model
+    instance.
 
-    The card is chosen from ``model_index.json``; every component is built with
-    ``platform.build_component(kind, spec)`` (so a backend may override it and anything it leaves
-    out falls back to cpu); the DiT's attention is routed through ``platform.kernels``'
-    ``attention`` op (and ``cached_attention`` for a causal checkpoint).
+    The card is chosen from ``model_index.json``; the solver from
+    ``scheduler/scheduler_config.json`` (:mod:`flowseam.schedulers`: the checkpoint's settings
+    are the default, refused options are named) before any weights load; every component is
+    built with ``platform.build_component(kind, spec)`` (so a backend may override it and
+    anything it leaves out falls back to cpu); every DiT expert's attention is routed through
+    ``platform.kernels``' ``attention`` op (and ``cached_attention`` for a causal checkpoint).
+    Components the layout declares that the card does not use are reported (a warning,
+    ``model.unused_components``, ``provenance()``); a layout the card cannot serve as diffusers
+    does is refused naming the component.
+
+    Prints one line to stderr (unless ``quiet``): the card, and the solver with its schedule
+    settings and where each came from (checkpoint / card default / diffusers default).
 
     :param platform: default ``Platform.detect()``.
-    :raises FlowseamError: for a missing directory, an unreachable hub, or a missing or corrupt
-        checkpoint file (named in the message).
+    :param ignore_scheduler_options: scheduler_config.json keys (or ``"_class_name"``) that
+        flowseam does not implement, to ignore with a warning instead of refusing them.
+    :raises FlowseamError: for a missing directory, an unreachable hub, a missing or corrupt
+        checkpoint file, a layout or scheduler option flowseam refuses (named in the message).
     :raises ValueError: if no card matches the checkpoint's pipeline class.
     """
     root = resolve_checkpoint(path_or_hub_id)
-    index = read_json(root / "model_index.json")
-    card = card_for_index(index, str(root / "model_index.json"))
-    card.instance.check_index(index, str(root / "model_index.json"))
+    index_file = root / "model_index.json"
+    index = read_json(index_file)
+    card = card_for_index(index, str(index_file))
+    card.instance.check_index(index, str(index_file))
+    configs = check_layout(card, index, root)
+    scheduler_file = root / "scheduler" / "scheduler_config.json"
+    raw = read_json(scheduler_file) if (root / "scheduler").is_dir() else None
+    solver = None  # a card whose loop has its own sampler (the causal one) reads no scheduler
+    if card.solver_from_scheduler:
+        solver = card.resolve_solver(raw, file=str(scheduler_file),
+                                     ignore=ignore_scheduler_options,
+                                     index_class=index["scheduler"][1]
+                                     if declared(index, "scheduler") else None)
+    unused = unused_components(card, index, configs)
+    for name, why in unused.items():
+        warnings.warn(f"{index_file}: {name} {index.get(name)!r} is not loaded: {why}",
+                      UserWarning, stacklevel=2)
     platform = platform if platform is not None else Platform.detect()
     components: dict[str, Any] = {}
     records = {}
     for entry in card.components:
-        declared = index.get(entry.name)
-        if not declared or declared[0] is None or declared[1] is None:
-            if entry.required:
-                raise FlowseamError(f"{root / 'model_index.json'} declares no {entry.name!r}, which "
-                                    f"{card.name} needs")
-            continue
-        library, cls = declared
+        if entry.name in unused or not declared(index, entry.name):
+            continue  # check_layout refused a missing required component
+        library, cls = index[entry.name]
         spec = ComponentSpec(name=entry.name, cls=f"{library}.{cls}", path=str(root),
                              subfolder=entry.name)
         components[entry.name] = _build(platform, entry.kind, spec, root)
         records[entry.name] = platform.components[-1]
-    scheduler_config = read_json(root / "scheduler" / "scheduler_config.json") \
-        if (root / "scheduler").is_dir() else {}
-    instance = card.instance(card, platform, components, root, scheduler_config)
-    instance.read_index(index, str(root / "model_index.json"))
+    instance = card.instance(card, platform, components, root, solver, scheduler_config=raw,
+                             pipeline_config=index)
+    instance.read_index(index, str(index_file))
     instance.component_records = records
+    instance.unused_components = unused
     instance.route_attention()
+    if not quiet:
+        experts = f" (experts {', '.join(instance.experts)}, boundary timestep " \
+                  f"{instance.boundary_timestep:g})" if instance.boundary_timestep is not None else ""
+        print(f"flowseam: loaded {card.name}{experts} from {root}: {instance.solver_line()}",
+              file=sys.stderr)
     return instance
+
+
+def check_layout(card: ModelCard, index: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
+    """Refuse, before any weights load, a layout the card cannot serve as diffusers does:
+    a missing required component, Wan2.2's ``transformer_2`` without ``boundary_ratio`` (diffusers
+    would never run it) or the reverse, ``expand_timesteps=True`` (Wan2.2 TI2V-5B), a DiT whose
+    ``image_dim`` needs an image encoder the checkpoint lacks.
+
+    :returns: component name → its ``config.json`` for the DiT experts (read, not loaded).
+    :raises FlowseamError: naming the component or option and what to do.
+    """
+    where = root / "model_index.json"
+    for entry in card.components:
+        if entry.required and not declared(index, entry.name):
+            raise FlowseamError(f"{where} declares no {entry.name!r}, which {card.name} needs")
+    if index.get("expand_timesteps"):
+        raise FlowseamError(f"{where}: expand_timesteps=True (Wan2.2 TI2V-5B's per-token "
+                            f"timesteps) is not implemented by flowseam's {card.name} card")
+    ratio = index.get("boundary_ratio")
+    if len(card.experts) > 1:
+        if ratio is None:
+            raise FlowseamError(
+                f"{where} declares transformer_2 but boundary_ratio is null: diffusers' "
+                f"{card.pipeline_class} would never run transformer_2. Set boundary_ratio (Wan2.2 "
+                "A14B: 0.875 for T2V, 0.9 for I2V) or remove transformer_2")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise FlowseamError(f"{where}: boundary_ratio={ratio!r} must be a number in (0, 1] "
+                                "(the fraction of num_train_timesteps where transformer_2 takes over)")
+    configs = {name: read_json(root / name / "config.json") for name in card.experts
+               if declared(index, name)}
+    first = configs.get(card.experts[0], {})
+    if (card.task == TaskType.I2V and first.get("image_dim") is not None
+            and not (declared(index, "image_encoder") and declared(index, "image_processor"))):
+        raise FlowseamError(
+            f"{where}: transformer has image_dim={first['image_dim']} (it takes CLIP image "
+            "embeddings, as Wan2.1 I2V does) but the checkpoint declares no image_encoder and "
+            "image_processor to compute them")
+    return configs
+
+
+def unused_components(card: ModelCard, index: dict[str, Any],
+                      configs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Components (and unknown pipeline options) ``model_index.json`` declares that the card
+    does not load, with the reason: reported, never silently dropped."""
+    known = {e.name for e in card.components} | set(card.pipeline_options) | {"scheduler"}
+    unused = {}
+    for key, value in index.items():
+        if key.startswith("_") or value is None or (isinstance(value, list) and None in value):
+            continue
+        if key in known:
+            continue
+        if declared(index, key):
+            unused[key] = f"an unknown component for flowseam's {card.name} card"
+        elif value is not False:  # a pipeline option left at false changes nothing
+            unused[key] = f"an unknown pipeline option for flowseam's {card.name} card"
+    if not card.solver_from_scheduler and declared(index, "scheduler"):
+        unused["scheduler"] = (f"the {card.loops[0]} loop samples with the card's own schedule "
+                               "(see the solver line)")
+    if card.task == TaskType.I2V and configs.get(card.experts[0], {}).get("image_dim") is None:
+        for name in ("image_encoder", "image_processor"):
+            if declared(index, name):
+                unused[name] = ("the transformer takes no image embeddings (image_dim is null); "
+                                "diffusers does not use it either")
+    return unused
 
 
 def _build(platform: Platform, kind: str, spec: ComponentSpec, root: Path) -> Any:

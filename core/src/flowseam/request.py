@@ -28,8 +28,12 @@ class DiffusionParams:
     :param num_steps: denoising steps (>= 1).
     :param guidance_scale: classifier-free guidance scale (Wan: CFG with the negative prompt when
         > 1; FLUX.1-dev: the distilled guidance embedding, no second pass).
-    :param flow_shift: the flow shift of the sigma schedule,
-        ``sigma' = shift * sigma / (1 + (shift - 1) * sigma)`` (SD3 / Wan).
+    :param guidance_scale_2: the guidance scale of the low-noise expert of a two-expert model
+        (Wan2.2's ``transformer_2``); None: ``guidance_scale``. Refused for one-expert models.
+    :param flow_shift: overrides the flow shift of the checkpoint's scheduler,
+        ``sigma' = shift * sigma / (1 + (shift - 1) * sigma)`` (SD3 / Wan): ``shift`` of a
+        FlowMatchEuler scheduler, ``flow_shift`` of UniPC, and turns dynamic shifting off. None
+        (the default): the checkpoint's own setting (see :mod:`flowseam.schedulers`).
     :param seed: seeds the initial latents (and SDE noise) through a ``torch.Generator``.
     :param height, width: output size in pixels.
     :param num_frames: video length in frames (Wan: 4k+1); 1 for images.
@@ -67,6 +71,7 @@ class DiffusionParams:
     local_attn_size: int | None = None
     sink_size: int | None = None
     kv_cache: bool = True
+    guidance_scale_2: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sde_window, list):  # TOML/YAML give a list; keep the params hashable

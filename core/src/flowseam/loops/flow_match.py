@@ -2,8 +2,10 @@
 
 ``run`` reads top to bottom like a diffusers pipeline's ``__call__``: check inputs → encode
 prompt → prepare latents → prepare sigmas → denoise → decode. The only indirection is the seam:
-the solver comes from ``platform.kernels`` (resolved once, before the first step) and the card's
-step bodies run the components the platform built. With ``ExecutionProfile.ROLLOUT`` the loop also
+the solver comes from ``platform.kernels`` (resolved once, before the first step, by
+:class:`~flowseam.loops.solvers.SolverSteps` from the checkpoint's scheduler) and the card's
+step bodies run the components the platform built (a two-expert Wan2.2 model switches DiT at
+its boundary timestep, as diffusers does). With ``ExecutionProfile.ROLLOUT`` the loop also
 captures a :class:`BehaviorRecord` per step; with ``sde_rollout=False`` that capture changes
 nothing about the result (SERVE and ROLLOUT outputs are bit-identical).
 """
@@ -16,10 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .. import ops
-from ..noise import noise_like
 from ..request import GenerationRequest
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+from .solvers import SolverSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
@@ -47,43 +48,36 @@ def run(model: "ModelInstance", request: GenerationRequest,
     cond = model.encode(request, params)
     t_encoded = time.perf_counter()
 
-    # 3. Prepare latents, then the sigma schedule (it may depend on the latent size).
+    # 3. Prepare latents, then the sigma schedule (it may depend on the latent size): the
+    #    checkpoint's scheduler, with what the request overrides (model.solver, flowseam.schedulers).
     latents = model.prepare_latents(request, params, generators, cond)
-    sigmas, timesteps = model.schedule(params, latents)
+    schedule = model.schedule(params, latents)
 
-    # 4. Denoise: the solver is whatever the platform resolved for this op.
-    op = ops.FLOW_SDE_STEP if params.sde_rollout else ops.FLOW_MATCH_STEP
-    step = model.platform.kernels.get(op)
-    # outside an sde_window the step is the ODE one
-    ode_step = model.platform.kernels.get(ops.FLOW_MATCH_STEP) if params.sde_rollout else step
-    window = range(*params.sde_window) if params.sde_window is not None else None
+    # 4. Denoise: the solver op is picked once, before the first step, from the schedule's
+    #    solver (an SDE rollout runs Flow-GRPO's first-order steps on the same schedule); each
+    #    step's expert is the DiT that owns its timestep (one for Wan2.1 and FLUX.1).
+    solve = SolverSteps(model.platform.kernels, schedule, params, generators)
     capture = profile is ExecutionProfile.ROLLOUT
-    sigma_max = sigmas[1] if len(sigmas) > 2 else None
     records: list[BehaviorRecord] = []
-    steps = range(len(timesteps))
+    experts: list[str] = []
+    steps = range(len(schedule.timesteps))
     if progress:
         from tqdm.auto import tqdm
         steps = tqdm(steps, desc=f"{model.card.name} denoise", unit="step", leave=False)
     with torch.no_grad():
         for i in steps:
-            sigma, sigma_next = sigmas[i], sigmas[i + 1]
-            t = timesteps[i].expand(latents.shape[0])
-            velocity = model.velocity(latents, t, cond, params)
-            if params.sde_rollout and (window is None or i in window):
-                used = step
-                noise = noise_like(latents, generators)
-                out = step(latents, velocity, sigma, sigma_next, noise=noise,
-                           noise_level=params.noise_level, sigma_max=sigma_max)
-                next_latents, log_prob = out.sample, out.log_prob
-            else:
-                used = ode_step
-                next_latents, log_prob = used(latents, velocity, sigma, sigma_next), None
+            t = schedule.timesteps[i].expand(latents.shape[0])
+            expert = model.expert_at(schedule.timesteps[i])
+            velocity = model.velocity(latents, t, cond, params, expert=expert)
+            step = solve(i, latents, velocity)
             if capture:
-                records.append(BehaviorRecord(i, latents, next_latents, t, sigma, sigma_next,
-                                              sigma_max, log_prob, used.impl_id))
-            latents = next_latents
+                records.append(BehaviorRecord(i, latents, step.next_latents, t, step.sigma,
+                                              step.sigma_next, solve.sigma_max, step.log_prob,
+                                              step.impl_id, expert=expert))
+            experts.append(expert)
+            latents = step.next_latents
             if step_callback is not None:
-                step_callback(i, len(timesteps), latents)
+                step_callback(i, len(schedule.timesteps), latents)
     t_denoised = time.perf_counter()
 
     # 5. Decode.
@@ -93,11 +87,13 @@ def run(model: "ModelInstance", request: GenerationRequest,
         frames=frames, latents=latents, params=params, seeds=seeds, records=records, cond=cond,
         seconds={"encode": t_encoded - t_start, "denoise": t_denoised - t_encoded,
                  "decode": t_end - t_denoised, "total": t_end - t_start},
-        kernels={op: step.impl_id})
+        kernels={solve.op: solve.impl_id}, solver=solve.describe(), experts=experts)
 
 
 def record_velocity(model: "ModelInstance", result: LoopResult, record: BehaviorRecord,
                     dit: torch.nn.Module | None = None) -> torch.Tensor:
-    """The velocity ``dit`` (default the model's) predicts at ``record``'s step of ``result``:
-    what the rollout's kernel was given, recomputed (with gradients if enabled)."""
-    return model.velocity(record.latents, record.timestep, result.cond, result.params, dit=dit)
+    """The velocity ``dit`` (default the model's expert that ran the step, ``record.expert``)
+    predicts at ``record``'s step of ``result``: what the rollout's kernel was given, recomputed
+    (with gradients if enabled). For a two-expert model pass the trainer's copy of that expert."""
+    return model.velocity(record.latents, record.timestep, result.cond, result.params, dit=dit,
+                          expert=record.expert)

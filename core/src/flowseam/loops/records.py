@@ -43,6 +43,9 @@ class BehaviorRecord:
     :ivar chunk: the chunk the step belongs to (causal loop; None elsewhere). ``latents`` and
         ``next_latents`` are then that chunk's latents ``(B, C, n, h, w)``.
     :ivar start_frame: the chunk's first latent frame (causal loop).
+    :ivar expert: the component name of the DiT expert that gave the velocity (``"transformer"``;
+        ``"transformer_2"`` for the low-noise steps of a two-expert Wan2.2 model). Recompute
+        with ``model.velocity(..., expert=record.expert, dit=<your copy of that expert>)``.
     """
 
     index: int
@@ -56,6 +59,7 @@ class BehaviorRecord:
     impl_id: str
     chunk: int | None = None
     start_frame: int = 0
+    expert: str = "transformer"
 
 
 @dataclass
@@ -69,11 +73,16 @@ class LoopResult:
     :ivar records: the BehaviorRecords (ROLLOUT only).
     :ivar cond: the conditioning used (text embeddings etc.), for recomputing velocities.
     :ivar seconds: wall time per stage (``encode``, ``denoise``, ``decode``, ``total``).
-    :ivar kernels: op → impl_id of the step kernel the loop used (outside an ``sde_window`` the
-        steps are ``flow_match_step``; each BehaviorRecord names its own kernel).
+    :ivar kernels: op → impl_id of the solver kernel the loop used (the checkpoint's solver op,
+        or ``flow_sde_step`` for an SDE rollout, whose steps outside an ``sde_window`` are
+        ``flow_match_step``; each BehaviorRecord names its own kernel).
     :ivar loop: the loop that ran (``"flow_match"``, ``"wan_causal"``, ...).
     :ivar chunks: how many chunks the video was generated in (1 outside the causal loop).
     :ivar kv_cache_peak_bytes: the most bytes the causal loop's KV cache held (all layers).
+    :ivar solver: one line: the solver op and kernel that ran, the scheduler class whose sigma
+        schedule it stepped, and each setting with its source (checkpoint / request / card
+        default / diffusers default).
+    :ivar experts: the DiT expert (component name) that ran each step.
     """
 
     frames: np.ndarray
@@ -87,3 +96,5 @@ class LoopResult:
     loop: str = "flow_match"
     chunks: int = 1
     kv_cache_peak_bytes: int = 0
+    solver: str = ""
+    experts: list[str] = field(default_factory=list)

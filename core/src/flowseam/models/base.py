@@ -1,23 +1,34 @@
 """ModelCard (what a model is) and ModelInstance (a loaded model driven by the shared loop).
 
 A card is declarative: the pipeline class it reads in ``model_index.json``, its components (name
-in the checkpoint → component kind), its loops, its defaults and its validation rules. A
-:class:`ModelInstance` holds the components the platform built for it, and implements the
-card-specific step bodies the shared loop (:mod:`flowseam.loops`) calls: ``check``, ``encode``,
-``schedule``, ``prepare_latents``, ``velocity`` and ``decode``.
+in the checkpoint → component kind), its DiT experts, its loops, its defaults (request and
+scheduler) and its validation rules. A :class:`ModelInstance` holds the components the platform
+built for it and the solver its checkpoint's scheduler resolved to (:attr:`ModelInstance.solver`),
+and implements the card-specific step bodies the shared loop (:mod:`flowseam.loops`) calls:
+``check``, ``encode``, ``schedule``, ``prepare_latents``, ``velocity`` and ``decode``.
+
+Experts. A model has one DiT (Wan2.1, FLUX.1) or several experts that split the denoising steps
+between them by timestep (Wan2.2 A14B: ``transformer`` for the high-noise steps ``t >=
+boundary_ratio * num_train_timesteps``, ``transformer_2`` for the rest, as diffusers'
+``WanPipeline`` does). :attr:`ModelInstance.experts` maps their component names to the modules,
+:meth:`ModelInstance.expert_at` says which one owns a timestep, every ``BehaviorRecord`` names the
+expert that ran its step, and ``velocity(..., expert=name, dit=module)`` evaluates one expert
+(with that expert's guidance scale), optionally with a trainer's copy of it.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
 from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents with it)
 from ..request import DiffusionParams, GenerationRequest, TaskType
+from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..loops import Chunk, LoopResult
@@ -42,9 +53,21 @@ class ModelCard:
     :param tasks: the tasks it serves.
     :param components: its components in load order.
     :param loops: the loops it runs (``"flow_match"``, with SERVE and ROLLOUT profiles).
-    :param defaults: default :class:`DiffusionParams` values.
+    :param defaults: default :class:`DiffusionParams` values (the request's; none of them is a
+        scheduler setting: those come from the checkpoint).
     :param rules: the validation rules, in words (shown by errors and docs).
     :param instance: the :class:`ModelInstance` subclass implementing its step bodies.
+    :param experts: the component names of its DiT experts, high-noise first.
+    :param default_scheduler: the scheduler class when the checkpoint has no scheduler config.
+    :param scheduler_defaults: scheduler class → key → value, applied only to keys the
+        checkpoint's ``scheduler_config.json`` leaves out (source ``"card default"``).
+    :param passes_mu: whether the card's diffusers pipeline passes the resolution-dependent
+        ``mu`` that dynamic shifting needs (FluxPipeline yes, WanPipeline no).
+    :param pipeline_options: ``model_index.json`` keys that configure the pipeline rather than
+        name a component (``boundary_ratio``), with the values the card accepts checked at load.
+    :param solver_from_scheduler: whether the checkpoint's scheduler decides the solver (False
+        for a loop with its own sampler, such as the causal one; its scheduler is then reported
+        as not used, and the instance describes its sampler in :meth:`ModelInstance.solver_line`).
     """
 
     name: str
@@ -55,10 +78,26 @@ class ModelCard:
     rules: tuple[str, ...]
     instance: type["ModelInstance"]
     loops: tuple[str, ...] = ("flow_match",)
+    experts: tuple[str, ...] = ("transformer",)
+    default_scheduler: str = EULER
+    scheduler_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    passes_mu: bool = False
+    pipeline_options: tuple[str, ...] = ()
+    solver_from_scheduler: bool = True
 
     @property
     def task(self) -> TaskType:
         return self.tasks[0]
+
+    def resolve_solver(self, scheduler_config: Mapping[str, Any] | None, *,
+                       file: str = "scheduler/scheduler_config.json",
+                       ignore: Iterable[str] = (), index_class: str | None = None) -> SolverConfig:
+        """This card's solver for a checkpoint's scheduler config (:func:`flowseam.schedulers.
+        resolve_solver` with the card's defaults). :raises FlowseamError: for what it refuses."""
+        return resolve_solver(scheduler_config, card=self.name,
+                              default_class=self.default_scheduler,
+                              card_defaults=self.scheduler_defaults, passes_mu=self.passes_mu,
+                              file=file, ignore=ignore, index_class=index_class)
 
 
 @dataclass
@@ -84,23 +123,129 @@ class ModelInstance:
     DIT: ClassVar[str] = "transformer"
 
     def __init__(self, card: ModelCard, platform: "Platform", components: dict[str, Any],
-                 path: Path | None, scheduler_config: dict[str, Any]) -> None:
+                 path: Path | None, solver: SolverConfig | None, *,
+                 scheduler_config: Mapping[str, Any] | None = None,
+                 pipeline_config: Mapping[str, Any] | None = None) -> None:
         self.card = card
         self.platform = platform
         self.components = components
         self.path = path
-        self.scheduler_config = dict(scheduler_config)
+        #: the resolved solver: scheduler class, op, settings and their sources (None for a card
+        #: whose loop has its own sampler, ``ModelCard.solver_from_scheduler=False``)
+        self.solver = solver
+        #: the checkpoint's scheduler_config.json as read (None: the checkpoint has none)
+        self.scheduler_config = dict(scheduler_config) if scheduler_config is not None else None
+        #: the checkpoint's model_index.json (pipeline options such as ``boundary_ratio``)
+        self.pipeline_config = dict(pipeline_config or {})
         self.versions: dict[str, int] = {name: 0 for name in components}
         self._text_cache: dict[tuple, Any] = {}
         #: name → ComponentRecord (where the platform built each component, and why there)
         self.component_records: dict[str, Any] = {}
+        #: components model_index.json declares that this card does not load, with the reason
+        self.unused_components: dict[str, str] = {}
 
-    def provenance(self) -> str:
-        """One line: where each component and the serve kernels came from."""
+    def provenance(self, solver: bool = True) -> str:
+        """One line: where each component and the kernels came from, and (``solver=True``) the
+        solver with its schedule settings and where each came from."""
+        kinds = ("dit", "vae", "text_encoder", "image_encoder")
         comps = ", ".join(f"{n}={r.device}/{r.plugin}{' (fallback)' if r.fallback else ''}"
-                          for n, r in self.component_records.items() if r.kind in ("dit", "vae", "text_encoder", "image_encoder"))
+                          for n, r in self.component_records.items() if r.kind in kinds)
         kern = ", ".join(f"{op}={k.impl_id}" for op, k in self.platform.kernels.resolved().items())
-        return f"[{self.card.name}] components: {comps}; kernels: {kern}"
+        line = f"[{self.card.name}] components: {comps}; kernels: {kern}"
+        if self.unused_components:
+            line += "; not loaded: " + ", ".join(f"{n} ({why})"
+                                                 for n, why in self.unused_components.items())
+        return line + (f"; {self.solver_line()}" if solver else "")
+
+    def solver_line(self) -> str:
+        """One line: the solver, its schedule settings and where each came from (the load line,
+        also in :meth:`provenance`)."""
+        return self.solver.describe()
+
+    # -- solver and experts --------------------------------------------------------------------
+    def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> Schedule:
+        """The request's schedule: the checkpoint's solver with the request's overrides
+        (:meth:`SolverConfig.for_request`), its sigmas and DiT timesteps computed by the
+        diffusers scheduler class as the card's pipeline calls it (:meth:`timestep_args`)."""
+        solver = self.solver.for_request(params)
+        sigmas, timesteps = solver.timesteps(params.num_steps, device=latents.device,
+                                             **self.timestep_args(params, latents, solver))
+        return Schedule(sigmas, timesteps, solver)
+
+    def timestep_args(self, params: DiffusionParams, latents: torch.Tensor,
+                      solver: SolverConfig) -> dict[str, Any]:
+        """The extra ``set_timesteps`` arguments of the card's pipeline (custom ``sigmas``,
+        ``mu``); none by default (``set_timesteps(num_steps)``, as WanPipeline calls it)."""
+        return {}
+
+    def with_scheduler(self, overrides: Mapping[str, Any], *,
+                       ignore: Iterable[str] = ()) -> "ModelInstance":
+        """This model with its scheduler config changed, sharing every component (no reload):
+        the analogue of ``pipe.scheduler = X.from_config(pipe.scheduler.config, **overrides)``.
+
+        :param overrides: ``scheduler_config.json`` keys to set; with a different
+            ``"_class_name"`` the checkpoint's keys the new class does not have are dropped (as
+            ``from_config`` drops them). Their source reads ``"override"``.
+        :raises FlowseamError: for options flowseam does not implement (as at load).
+        """
+        import inspect
+
+        import diffusers
+
+        base = dict(self.scheduler_config or {})
+        cls_name = overrides.get("_class_name", base.get("_class_name"))
+        if cls_name != base.get("_class_name") and hasattr(diffusers, str(cls_name)):
+            keys = inspect.signature(getattr(diffusers, cls_name).__init__).parameters
+            base = {k: v for k, v in base.items() if k in keys or k.startswith("_")}
+        raw = {**base, **overrides}
+        solver = self.card.resolve_solver(raw, file=f"{self.solver.file} (with overrides)",
+                                          ignore=ignore)
+        sources = {k: ("override" if k in overrides else v) for k, v in solver.sources.items()}
+        clone = copy.copy(self)
+        clone.solver = SolverConfig(solver.scheduler_class, solver.config, sources,
+                                    solver.ignored, solver.file)
+        clone.scheduler_config = raw
+        return clone
+
+    @property
+    def experts(self) -> dict[str, torch.nn.Module]:
+        """The DiT experts, high-noise first: component name → module (one for Wan2.1/FLUX.1)."""
+        return {name: self.components[name] for name in self.card.experts if name in self.components}
+
+    @property
+    def boundary_timestep(self) -> float | None:
+        """``boundary_ratio * num_train_timesteps`` for a two-expert model (diffusers'
+        WanPipeline): ``transformer`` runs the steps whose timestep is >= it, ``transformer_2``
+        the others. None for a one-expert model."""
+        ratio = self.pipeline_config.get("boundary_ratio")
+        if ratio is None or len(self.card.experts) < 2:
+            return None
+        return float(ratio) * self.solver.num_train_timesteps
+
+    def expert_at(self, timestep: torch.Tensor | float) -> str:
+        """The component name of the expert that denoises at ``timestep`` (a scalar or the
+        first element of a ``(B,)`` tensor), compared as diffusers compares it
+        (``t >= boundary_timestep``)."""
+        boundary = self.boundary_timestep
+        if boundary is None:
+            return self.card.experts[0]
+        t = timestep.reshape(-1)[0] if torch.is_tensor(timestep) else torch.tensor(float(timestep))
+        return self.card.experts[0] if bool(t >= boundary) else self.card.experts[1]
+
+    def guidance_for(self, expert: str, params: DiffusionParams) -> float:
+        """The guidance scale of ``expert``: ``guidance_scale`` for the first (high-noise)
+        expert, ``guidance_scale_2`` (default: ``guidance_scale``) for the second."""
+        if expert == self.card.experts[0] or params.guidance_scale_2 is None:
+            return params.guidance_scale
+        return params.guidance_scale_2
+
+    def check_experts(self, params: DiffusionParams) -> None:
+        """``guidance_scale_2`` only for a two-expert model (diffusers raises likewise)."""
+        if params.guidance_scale_2 is not None and self.boundary_timestep is None:
+            raise ValueError(f"guidance_scale_2={params.guidance_scale_2!r} is for two-expert "
+                             f"(Wan2.2) models; {self.card.name} has one DiT")
+        if params.guidance_scale_2 is not None and params.guidance_scale_2 < 0:
+            raise ValueError(f"guidance_scale_2={params.guidance_scale_2!r} must be >= 0")
 
     # -- the public API --------------------------------------------------------------------
     def generate(self, prompt: str | list[str], *, image: Any = None,
@@ -184,13 +329,15 @@ class ModelInstance:
         """Take card-specific settings from ``model_index.json`` (none here)."""
 
     def route_attention(self) -> None:
-        """Send every attention call of the DiT through the platform's ``attention`` op
+        """Send every attention call of every DiT expert through the platform's ``attention`` op
         (:func:`flowseam.attention.route_attention`); a loop with its own attention pattern
         (the causal loop's KV cache) routes more."""
         from .. import ops
         from ..attention import route_attention
 
-        route_attention(self.dit, self.platform.kernels.get(ops.ATTENTION))
+        attention = self.platform.kernels.get(ops.ATTENTION)
+        for expert in self.experts.values():
+            route_attention(expert, attention)
 
     # -- step bodies (card-specific) -----------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
@@ -206,11 +353,6 @@ class ModelInstance:
         Cached per (text-encoder weights version, prompt)."""
         raise NotImplementedError
 
-    def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> tuple[list[float], torch.Tensor]:
-        """``(sigmas, timesteps)``: N + 1 sigmas from 1 down to 0 (Python floats) and the N
-        timesteps ``(N,)`` float32 the DiT is given, with the flow shift applied."""
-        raise NotImplementedError
-
     def prepare_latents(self, request: GenerationRequest, params: DiffusionParams,
                         generators: list[torch.Generator], cond: Conditioning) -> torch.Tensor:
         """Initial noise ``(B, ...)`` float32 (card layout), row b drawn from ``generators[b]``;
@@ -218,10 +360,26 @@ class ModelInstance:
         raise NotImplementedError
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                 params: DiffusionParams, dit: torch.nn.Module | None = None) -> torch.Tensor:
+                 params: DiffusionParams, dit: torch.nn.Module | None = None,
+                 expert: str | None = None) -> torch.Tensor:
         """The (guided) velocity at ``latents`` ``(B, ...)`` and ``timestep`` ``(B,)``, latents'
-        shape, in the DiT's dtype. ``dit`` overrides the instance's DiT (a trainer's copy)."""
+        shape, in the DiT's dtype.
+
+        :param expert: which DiT expert (component name) runs, with its guidance scale; default
+            the one that owns ``timestep`` (:meth:`expert_at`).
+        :param dit: a module to run instead of that expert's (a trainer's copy of it).
+        :raises ValueError: for an expert name the model does not have.
+        """
         raise NotImplementedError
+
+    def _expert(self, timestep: torch.Tensor, expert: str | None,
+                dit: torch.nn.Module | None) -> tuple[str, torch.nn.Module]:
+        """(expert name, module) for :meth:`velocity`."""
+        name = self.expert_at(timestep) if expert is None else expert
+        experts = self.experts
+        if name not in experts:
+            raise ValueError(f"expert={name!r}: {self.card.name} has experts {sorted(experts)}")
+        return name, experts[name] if dit is None else dit
 
     def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:
         """Final latents → frames ``(B, F, H, W, 3)`` float32 in [0, 1] (F = 1 for images)."""

@@ -2,12 +2,16 @@
 
 Step bodies follow diffusers 0.42's FluxPipeline: pooled CLIP embedding plus T5 states (pads not
 masked), latents drawn in the T5 dtype as ``(B, 16, 2*(H//16), 2*(W//16))`` and packed into 2x2
-patch tokens ``(B, seq, 64)``, the flow shift ``mu`` from the token count (dynamic shifting,
-``calculate_shift``), the distilled guidance embedded (``guidance_embeds``), timestep passed as
-``sigma`` (``t / 1000`` in the latent dtype), decode ``x / scaling_factor + shift_factor``.
+patch tokens ``(B, seq, 64)``, the schedule from the checkpoint's scheduler with custom sigmas
+``linspace(1, 1/N, N)`` and the flow shift ``mu`` from the token count (``calculate_shift``, used
+when the scheduler has dynamic shifting), the distilled guidance embedded when the transformer
+has ``guidance_embeds``, timestep passed as ``t / 1000`` in the latent dtype, decode
+``x / scaling_factor + shift_factor``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +24,7 @@ from ..request import (
     check_multiple,
     check_no_causal,
 )
+from ..schedulers import EULER, UNIPC, SolverConfig
 from .base import (
     ComponentEntry,
     Conditioning,
@@ -45,6 +50,7 @@ class FluxT2I(ModelInstance):
         params = request.params.with_defaults(self.card.defaults)
         check_common(params, request)
         check_no_causal(params, self.card.name)
+        self.check_experts(params)
         multiple = self.vae_scale_factor * 2
         for name in ("height", "width"):
             check_multiple(name, getattr(params, name), multiple,
@@ -101,32 +107,28 @@ class FluxT2I(ModelInstance):
         cond.extra["img_ids"] = ids.reshape(-1, 3).to(device, latents.dtype)
         return latents.to(device)
 
-    def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> tuple[list[float], torch.Tensor]:
-        """``sigmas = linspace(1, 1/N, N)`` time-shifted by ``mu = calculate_shift(seq_len)``
-        (diffusers' FluxPipeline), or by the static ``flow_shift`` when one is given."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
+    def timestep_args(self, params: DiffusionParams, latents: torch.Tensor,
+                      solver: SolverConfig) -> dict[str, Any]:
+        """As FluxPipeline calls ``set_timesteps``: custom ``sigmas = linspace(1, 1/N, N)``
+        (none when the scheduler makes its own flow sigmas, i.e. UniPC) and the dynamic-shifting
+        ``mu = calculate_shift(seq_len)`` from the scheduler's ``base_image_seq_len``,
+        ``max_image_seq_len``, ``base_shift``, ``max_shift`` (used only when the scheduler has
+        ``use_dynamic_shifting``)."""
         n = params.num_steps
-        base = np.linspace(1.0, 1 / n, n)
-        if params.flow_shift is None:
-            c = self.scheduler_config
-            m = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (
-                c.get("max_image_seq_len", 4096) - c.get("base_image_seq_len", 256))
-            mu = latents.shape[1] * m + (c.get("base_shift", 0.5) - m * c.get("base_image_seq_len", 256))
-            scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-                dict(self.scheduler_config, use_dynamic_shifting=True))
-            scheduler.set_timesteps(sigmas=base, device=latents.device, mu=mu)
-        else:
-            scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-                dict(self.scheduler_config, use_dynamic_shifting=False, shift=params.flow_shift))
-            scheduler.set_timesteps(sigmas=base, device=latents.device)
-        return scheduler.sigmas.tolist(), scheduler.timesteps.to(torch.float32)
+        c = solver.config
+        base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+        base_shift, max_shift = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+        m = (max_shift - base_shift) / (max_len - base_len)
+        mu = latents.shape[1] * m + (base_shift - m * base_len)
+        sigmas = None if solver.flow_sigmas else np.linspace(1.0, 1 / n, n)
+        return {"sigmas": sigmas, "mu": mu}
 
     # -- 4. velocity ----------------------------------------------------------------------------
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                 params: DiffusionParams, dit: torch.nn.Module | None = None) -> torch.Tensor:
+                 params: DiffusionParams, dit: torch.nn.Module | None = None,
+                 expert: str | None = None) -> torch.Tensor:
         """Velocity ``(B, seq, 64)``; guidance is embedded (no second pass)."""
-        dit = self.dit if dit is None else dit
+        _, dit = self._expert(timestep, expert, dit)
         guidance = None
         if self.dit.config.guidance_embeds:
             guidance = torch.full([latents.shape[0]], params.guidance_scale, dtype=torch.float32,
@@ -180,8 +182,15 @@ FLUX_T2I = ModelCard(
         ComponentEntry("vae", "vae"),
         ComponentEntry("transformer", "dit"),
     ),
-    defaults=dict(num_steps=28, guidance_scale=3.5, flow_shift=None, height=1024, width=1024,
-                  num_frames=1, max_sequence_length=512),
+    defaults=dict(num_steps=28, guidance_scale=3.5, height=1024, width=1024, num_frames=1,
+                  max_sequence_length=512),
+    default_scheduler=EULER,
+    #: FLUX.1-dev's scheduler, where the checkpoint's scheduler_config.json says nothing
+    scheduler_defaults={EULER: {"shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                                "max_shift": 1.15, "base_image_seq_len": 256,
+                                "max_image_seq_len": 4096},
+                        UNIPC: {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}},
+    passes_mu=True,
     rules=("height and width divisible by 16 (VAE factor 8 x 2x2 packing)",
            "num_steps >= 1; guidance_scale >= 0 (embedded guidance, FLUX.1-dev)",
            "no negative prompt, no image", "max_sequence_length <= 512"),

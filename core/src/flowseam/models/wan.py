@@ -1,11 +1,19 @@
-"""Wan2.1 text-to-video and image-to-video (diffusers ``WanPipeline`` /
+"""Wan2.1 and Wan2.2 text-to-video and image-to-video (diffusers ``WanPipeline`` /
 ``WanImageToVideoPipeline`` layouts).
 
 Step bodies follow diffusers 0.42's pipelines so that, on the same weights, seed and parameters,
 flowseam's output equals diffusers' (tested): T5 embeddings zeroed past each prompt's length and
 padded to ``max_sequence_length``; CFG as two forwards, ``uncond + g * (cond - uncond)``, when
-``guidance_scale > 1``; timestep ``sigma * 1000`` in float32; latents ``x * std + mean`` before
-the VAE. (CFG runs as one 2B batch rather than two forwards: equal to float rounding.)
+``guidance_scale > 1``; the DiT's timestep is the scheduler's (``sigma * 1000`` for
+FlowMatchEuler, UniPC's integer timesteps); latents ``x * std + mean`` before the VAE. (CFG runs
+as one 2B batch rather than two forwards: equal to float rounding.)
+
+Wan2.2 A14B (``transformer_2`` and ``boundary_ratio`` in ``model_index.json``): two DiT experts,
+each built through ``platform.build_component("dit", ...)``; ``transformer`` denoises the steps
+whose timestep is ``>= boundary_ratio * num_train_timesteps`` with ``guidance_scale``,
+``transformer_2`` the others with ``guidance_scale_2`` (default ``guidance_scale``); CFG runs
+when ``guidance_scale > 1``, as in diffusers. Wan2.2 TI2V-5B (``expand_timesteps=True``, per-token
+timesteps) is refused by name.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from ..request import (
     check_multiple,
     check_no_causal,
 )
+from ..schedulers import EULER, UNIPC
 from .base import (
     ComponentEntry,
     Conditioning,
@@ -53,6 +62,7 @@ class WanT2V(ModelInstance):
         params = request.params.with_defaults(self.card.defaults)
         check_common(params, request)
         self.check_loop_params(params)
+        self.check_experts(params)
         tf = self.vae_temporal_factor
         if not isinstance(params.num_frames, int) or params.num_frames < 1 or params.num_frames % tf != 1:
             k = max(0, (params.num_frames or 1) // tf)
@@ -127,29 +137,22 @@ class WanT2V(ModelInstance):
                  params.height // self.vae_spatial_factor, params.width // self.vae_spatial_factor)
         return draw_noise(shape, generators).to(self.component_device(self.DIT))
 
-    def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> tuple[list[float], torch.Tensor]:
-        """diffusers' FlowMatchEulerDiscreteScheduler with the static flow shift: returns the
-        N + 1 sigmas (ending in 0) as floats and the N timesteps ``sigma * 1000`` (float32)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        config = dict(self.scheduler_config, shift=params.flow_shift, use_dynamic_shifting=False)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-        scheduler.set_timesteps(params.num_steps, device=latents.device)
-        return scheduler.sigmas.tolist(), scheduler.timesteps.to(torch.float32)
-
     # -- 4. velocity ----------------------------------------------------------------------------
     def dit_inputs(self, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, dict]:
         return latents.to(self.component_dtype(self.DIT)), {}
 
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
-                 params: DiffusionParams, dit: torch.nn.Module | None = None) -> torch.Tensor:
-        """CFG-guided velocity ``(B, 16, F', H', W')`` in the DiT's dtype.
+                 params: DiffusionParams, dit: torch.nn.Module | None = None,
+                 expert: str | None = None) -> torch.Tensor:
+        """CFG-guided velocity ``(B, 16, F', H', W')`` in the DiT's dtype, from ``expert``
+        (default: the one that owns ``timestep``) or ``dit`` (a trainer's copy of it).
 
         With CFG the conditional and unconditional passes run as one batch of 2B (diffusers runs
         two forwards; the results agree to float rounding), then
-        ``v = v_uncond + guidance_scale * (v_cond - v_uncond)``.
+        ``v = v_uncond + g * (v_cond - v_uncond)`` with the expert's guidance scale ``g``
+        (``guidance_scale``, or ``guidance_scale_2`` for Wan2.2's low-noise expert).
         """
-        dit = self.dit if dit is None else dit
+        expert, dit = self._expert(timestep, expert, dit)
         x, extra = self.dit_inputs(latents, cond)
         if cond.negative_embeds is None:
             return dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
@@ -158,7 +161,7 @@ class WanT2V(ModelInstance):
                         encoder_hidden_states=torch.cat([cond.negative_embeds, cond.prompt_embeds]),
                         return_dict=False, **{k: torch.cat([v, v]) for k, v in extra.items()})[0]
         v_uncond, v_cond = both.chunk(2)
-        return v_uncond + params.guidance_scale * (v_cond - v_uncond)
+        return v_uncond + self.guidance_for(expert, params) * (v_cond - v_uncond)
 
     # -- 5. decode ------------------------------------------------------------------------------
     def latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,14 +207,22 @@ class WanI2V(WanT2V):
     def latent_channels(self) -> int:
         return int(self.components["vae"].config.z_dim)
 
+    def check(self, request: GenerationRequest) -> DiffusionParams:
+        params = super().check(request)
+        split = [n for n, m in self.experts.items() if m.config.added_kv_proj_dim is not None]
+        if split and params.max_sequence_length != 512:
+            raise ValueError(
+                f"max_sequence_length={params.max_sequence_length} must be 512 for this "
+                f"checkpoint: its {' and '.join(split)} has image cross-attention projections "
+                "(added_kv_proj_dim), and diffusers' WanAttnProcessor splits image from text "
+                "tokens at 512")
+        return params
+
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
-        if params.max_sequence_length != 512:
-            raise ValueError(f"max_sequence_length={params.max_sequence_length} must be 512 for "
-                             "Wan I2V (diffusers' WanAttnProcessor splits image/text tokens at 512)")
         cond = super().encode(request, params)
         image = load_image(request.image)
         cond.extra["image"] = image
-        if "image_encoder" in self.components and self.dit.config.image_dim is not None:
+        if self.dit.config.image_dim is not None:  # Wan2.1 I2V (image_encoder checked at load)
             processor, encoder = self.components["image_processor"], self.components["image_encoder"]
             pixels = processor(images=image, return_tensors="pt")
             device = self.component_device("image_encoder")
@@ -290,19 +301,47 @@ _WAN_RULES = (
     "height and width divisible by 16 (VAE factor 8 x patch 2)",
     "num_steps >= 1; guidance_scale >= 0 (CFG with the negative prompt when > 1)",
 )
-_WAN_DEFAULTS = dict(num_steps=50, guidance_scale=5.0, flow_shift=3.0, height=480, width=832,
-                     num_frames=81, max_sequence_length=512)
+_I2V_RULES = ("an image is required; it is resized to (height, width) with Lanczos, ignoring its "
+              "aspect ratio (as diffusers does)",
+              "max_sequence_length = 512 when the transformer has image cross-attention "
+              "projections (added_kv_proj_dim: Wan2.1 I2V)")
+_WAN22_RULES = ("guidance_scale for the high-noise expert (transformer), guidance_scale_2 "
+                "(default: guidance_scale) for the low-noise one (transformer_2)",)
+#: diffusers' WanPipeline / WanImageToVideoPipeline call defaults
+_WAN_DEFAULTS = dict(num_steps=50, guidance_scale=5.0, height=480, width=832, num_frames=81,
+                     max_sequence_length=512)
+#: where the checkpoint's scheduler_config.json says nothing: the Wan2.1-Diffusers scheduler
+#: (UniPC, flow sigmas, flow_shift 3.0 for 480p), or shift 3.0 for a FlowMatchEuler config
+_WAN_SCHEDULER = dict(
+    default_scheduler=UNIPC,
+    scheduler_defaults={EULER: {"shift": 3.0},
+                        UNIPC: {"flow_shift": 3.0, "use_flow_sigmas": True,
+                                "prediction_type": "flow_prediction"}},
+    passes_mu=False)
+_I2V_COMPONENTS = (ComponentEntry("image_processor", "image_processor", required=False),
+                   ComponentEntry("image_encoder", "image_encoder", required=False))
+_EXPERT_2 = (ComponentEntry("transformer_2", "dit"),)
+_TWO_EXPERTS = dict(experts=("transformer", "transformer_2"),
+                    pipeline_options=("boundary_ratio", "expand_timesteps"))
 
 WAN_T2V = ModelCard(
     name="wan2.1-t2v", pipeline_class="WanPipeline", tasks=(TaskType.T2V,),
-    components=_WAN_COMMON, defaults=_WAN_DEFAULTS, rules=_WAN_RULES, instance=WanT2V)
+    components=_WAN_COMMON, defaults=_WAN_DEFAULTS, rules=_WAN_RULES, instance=WanT2V,
+    pipeline_options=("boundary_ratio", "expand_timesteps"), **_WAN_SCHEDULER)
 
 WAN_I2V = ModelCard(
     name="wan2.1-i2v", pipeline_class="WanImageToVideoPipeline", tasks=(TaskType.I2V,),
-    components=_WAN_COMMON + (ComponentEntry("image_processor", "image_processor", required=False),
-                              ComponentEntry("image_encoder", "image_encoder", required=False)),
-    defaults=_WAN_DEFAULTS,
-    rules=_WAN_RULES + ("an image is required; it is resized to (height, width) with Lanczos, "
-                        "ignoring its aspect ratio (as diffusers does)",
-                        "max_sequence_length = 512"),
-    instance=WanI2V)
+    components=_WAN_COMMON + _I2V_COMPONENTS, defaults=_WAN_DEFAULTS,
+    rules=_WAN_RULES + _I2V_RULES, instance=WanI2V,
+    pipeline_options=("boundary_ratio", "expand_timesteps"), **_WAN_SCHEDULER)
+
+WAN22_T2V = ModelCard(
+    name="wan2.2-t2v", pipeline_class="WanPipeline", tasks=(TaskType.T2V,),
+    components=_WAN_COMMON + _EXPERT_2, defaults=_WAN_DEFAULTS,
+    rules=_WAN_RULES + _WAN22_RULES, instance=WanT2V, **_TWO_EXPERTS, **_WAN_SCHEDULER)
+
+WAN22_I2V = ModelCard(
+    name="wan2.2-i2v", pipeline_class="WanImageToVideoPipeline", tasks=(TaskType.I2V,),
+    components=_WAN_COMMON + _EXPERT_2 + _I2V_COMPONENTS, defaults=_WAN_DEFAULTS,
+    rules=_WAN_RULES + _I2V_RULES + _WAN22_RULES, instance=WanI2V, **_TWO_EXPERTS,
+    **_WAN_SCHEDULER)

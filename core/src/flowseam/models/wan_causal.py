@@ -79,8 +79,9 @@ class WanCausalT2V(WanT2V):
     generated in chunks of ``chunk_frames`` latent frames.
     """
 
-    def __init__(self, card: ModelCard, platform, components, path, scheduler_config) -> None:
-        super().__init__(card, platform, components, path, scheduler_config)
+    def __init__(self, card: ModelCard, platform, components, path, solver=None,
+                 **kwargs) -> None:
+        super().__init__(card, platform, components, path, solver, **kwargs)
         self.read_index({})
 
     @classmethod
@@ -94,11 +95,23 @@ class WanCausalT2V(WanT2V):
         :raises ValueError: see :func:`read_causal_config`.
         """
         self.causal_config = cfg = read_causal_config(index, source)
+        self.causal_given = set(index.get("_flowseam_causal") or {})
         self.card_defaults = dict(
             self.card.defaults, chunk_frames=cfg["num_frame_per_block"],
             flow_shift=cfg["timestep_shift"],
             local_attn_size=None if cfg["local_attn_size"] == -1 else cfg["local_attn_size"],
             sink_size=cfg["sink_size"], num_steps=len(cfg["denoising_step_list"]))
+
+    def solver_line(self) -> str:
+        """The sampler of the ``wan_causal`` loop (the checkpoint's scheduler is not used):
+        ``flow_match_step`` to x0 and ``flow_renoise`` per chunk, with the ``_flowseam_causal``
+        settings and where each came from."""
+        shown = ("denoising_step_list", "timestep_shift", "num_frame_per_block",
+                 "local_attn_size", "sink_size")
+        parts = [f"{k}={self.causal_config[k]!r} "
+                 f"({'checkpoint' if k in self.causal_given else 'card default'})" for k in shown]
+        return ("solver flow_match_step + flow_renoise (Self-Forcing few-step, "
+                "_flowseam_causal): " + ", ".join(parts))
 
     def route_attention(self) -> None:
         from .. import ops
@@ -374,4 +387,5 @@ _CAUSAL_DEFAULTS = dict(num_steps=4, guidance_scale=1.0, flow_shift=5.0, height=
 WAN_CAUSAL_T2V = ModelCard(
     name="wan2.1-causal-t2v", pipeline_class="WanPipeline", tasks=(TaskType.T2V,),
     components=_WAN_COMMON, defaults=_CAUSAL_DEFAULTS, rules=_CAUSAL_RULES,
-    instance=WanCausalT2V, loops=("wan_causal",))
+    instance=WanCausalT2V, loops=("wan_causal",), solver_from_scheduler=False,
+    pipeline_options=("boundary_ratio", "expand_timesteps"))

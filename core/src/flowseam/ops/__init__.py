@@ -31,6 +31,82 @@ noise_level=0.7, sigma_max=None, generator=None) -> SDEStepOutput``
     log-density detached, so gradients reach the log-prob only through ``mean`` (as in
     Flow-GRPO). ``mean``, ``std`` and ``log_prob`` are float32 (or wider).
 
+    Edge cases (as Flow-GRPO has them). ``noise_level == 0`` is accepted: Flow-GRPO evaluates
+    with it, and the step is then deterministic: ``std_dev_t = std = 0``, ``mean`` is the Euler
+    step ``x + dt * v``, ``sample = mean`` (rounded to x's dtype; ``noise`` and ``generator``
+    are not used; ``prev_sample``, if given, is returned as given), ``sigma_max`` is not needed,
+    and ``log_prob`` is **0** for every sample: a point mass has no density, and 0 is the log of
+    the probability (1) that the deterministic step produces its own output. Flow-GRPO's own
+    formula gives NaN there. A PPO ratio built on it is exactly 1, so flowseam's trainers refuse
+    ``noise_level=0`` for training. A **per-sample** sigma (a ``(B,)`` tensor, as in Flow-GRPO's
+    training batches whose timesteps are shuffled per sample) is refused with ``ValueError``:
+    flowseam's loops step every row of a batch on one schedule, and its trainers recompute each
+    BehaviorRecord (one sigma for the whole batch), so one scalar sigma per call keeps every
+    backend's kernel a single fused pass; group rows by sigma to recompute such a batch.
+
+``FLOW_STOCHASTIC_STEP``: ``step(x, v, sigma, sigma_next, *, noise=None, generator=None)``
+    The stochastic sampling step of diffusers' ``FlowMatchEulerDiscreteScheduler`` with
+    ``stochastic_sampling=True``: predict the data, then re-noise it to ``sigma_next``::
+
+        x0     = x - sigma * v
+        sample = (1 - sigma_next) * x0 + sigma_next * noise
+
+    ``noise``: standard normal, x's shape, drawn from ``generator`` (x's compute dtype and
+    device) when not given. Returns x's shape and dtype; the arithmetic is float32 or wider.
+
+``UNIPC_STEP``: ``step(x, v, sigma, sigma_next, state, *, order, solver_type="bh2",
+corrector=True) -> UniPCStepOutput(sample, state)``
+    One step of UniPC (Zhao et al. 2023, "UniPC: A Unified Predictor-Corrector Framework for
+    Fast Sampling of Diffusion Models", the B(h) variants) in the flow-matching, data-prediction
+    form of diffusers' ``UniPCMultistepScheduler`` (``use_flow_sigmas=True``,
+    ``prediction_type="flow_prediction"``, ``predict_x0=True``; what the Wan2.1-Diffusers
+    checkpoints ship). With ``alpha(s) = 1 - s`` and the log-SNR
+    ``lam(s) = log(alpha(s)) - log(s)`` (``lam(0) = +inf``)::
+
+        m    = x - sigma * v                       # the model output as a data prediction
+
+    **Corrector** (UniC), when ``corrector`` and ``state.last_sample`` is not None: with
+    ``s0 = state.sigmas[-1]``, ``m0 = state.outputs[-1]``, ``p = state.last_order``,
+    ``x_prev = state.last_sample``::
+
+        h     = lam(sigma) - lam(s0);   hh = -h;   phi1 = expm1(hh)
+        B     = hh (bh1) or expm1(hh) (bh2)
+        r_k   = (lam(state.sigmas[-1-k]) - lam(s0)) / h,   D_k = (state.outputs[-1-k] - m0) / r_k,
+                for k = 1 .. p-1;  r_p = 1
+        R     = [[r_j ** (i-1)]]  (p x p, i = 1..p rows, j = 1..p columns)
+        b_i   = g_i * i! / B with g_1 = phi1/hh - 1,  g_{i+1} = g_i/hh - 1/(i+1)!
+        rho   = [0.5] if p == 1 else solve(R, b)
+        x     = (sigma/s0) * x_prev - alpha(sigma) * phi1 * m0
+                - alpha(sigma) * B * (sum_k rho_k D_k + rho_p * (m - m0))
+
+    **Predictor** (UniP) of order ``q = order`` from ``x`` (corrected) at ``s0 = sigma`` to
+    ``t = sigma_next``, over the history ``state.outputs + (m,)``: ``h = lam(t) - lam(sigma)``,
+    ``r_k``, ``D_k`` (k = 1 .. q-1), ``hh``, ``phi1``, ``B``, ``R``, ``b`` as above with ``m0 = m``;
+    ``rho = [0.5]`` for q == 2, else ``solve(R[:-1, :-1], b[:-1])``::
+
+        sample = (t/sigma) * x - alpha(t) * phi1 * m - alpha(t) * B * sum_k rho_k D_k
+
+    The state carries the solver's history explicitly (:class:`UniPCState`): the sigmas and data
+    predictions of the last ``order`` steps (this one included), the corrected ``x`` the
+    predictor started from (``last_sample``, x's dtype) and ``order`` (``last_order``); the
+    initial state is :meth:`UniPCState.empty`. Outputs are stored in the compute dtype. How a
+    loop drives the op (diffusers' rules): the order of step i of N is
+    :func:`unipc_order`, the corrector runs from the second step on, except after the step
+    indices listed in ``disable_corrector``; the DiT is evaluated on the predicted (uncorrected)
+    sample, which the next step corrects.
+
+    Domain: ``0 < sigma < 1`` (``lam`` is -inf at sigma 1; diffusers' schedule starts at
+    ``1 - 1e-6``), ``0 <= sigma_next <= sigma``, the history's sigmas strictly decreasing and
+    above sigma, ``1 <= order <= len(state.outputs) + 1`` and ``order <= 3`` (flowseam's
+    implementation; Wan ships 2, diffusers recommends 2 for guided and 3 for unconditional
+    sampling). At ``sigma_next == 0`` the log-SNR is infinite and only ``order == 1`` is
+    defined: the sample is then ``m`` exactly, for either solver type. (diffusers 0.42 returns
+    NaN for ``bh1`` there, multiplying B(h) = -inf by a zero residual, and inf for orders >= 2
+    with ``lower_order_final=False``.) At ``sigma_next == sigma`` (a schedule with
+    ``final_sigmas_type="sigma_min"`` repeats its last sigma) ``h = 0`` and the predictor is the
+    identity: the sample is the corrected ``x``. Bad arguments raise ``ValueError``. The step is not
+    required to be differentiable (RL rollouts use ``FLOW_SDE_STEP``).
+
 ``ATTENTION``: ``attn(q, k, v, attn_mask=None, scale=None)``
     Scaled dot-product attention, layout ``(B, heads, seq, head_dim)``, the semantics of
     ``torch.nn.functional.scaled_dot_product_attention``: a boolean mask marks the keys that may
@@ -63,7 +139,7 @@ noise_level=0.7, sigma_max=None, generator=None) -> SDEStepOutput``
     result has ``x0``'s dtype, the arithmetic is float32 or wider; ``sigma`` in [0, 1].
 
 Bad arguments (shape mismatch, sigma outside [0, 1], sigma_next > sigma, sigma == 1 without
-sigma_max for the SDE step) raise ``ValueError`` naming the value.
+sigma_max for the SDE step, a per-sample sigma tensor) raise ``ValueError`` naming the value.
 """
 
 from __future__ import annotations
@@ -73,12 +149,22 @@ from typing import Any, NamedTuple
 
 FLOW_MATCH_STEP = "flow_match_step"
 FLOW_SDE_STEP = "flow_sde_step"
+FLOW_STOCHASTIC_STEP = "flow_stochastic_step"
+UNIPC_STEP = "unipc_step"
 ATTENTION = "attention"
 CACHED_ATTENTION = "cached_attention"
 FLOW_RENOISE = "flow_renoise"
 
 #: Every op flowseam defines a contract for. Plugins may register only these.
-ALL_OPS = (FLOW_MATCH_STEP, FLOW_SDE_STEP, ATTENTION, CACHED_ATTENTION, FLOW_RENOISE)
+ALL_OPS = (FLOW_MATCH_STEP, FLOW_SDE_STEP, FLOW_STOCHASTIC_STEP, UNIPC_STEP, ATTENTION,
+           CACHED_ATTENTION, FLOW_RENOISE)
+
+#: The solver ops: each advances latents from ``sigma`` to ``sigma_next``. A loop picks one of
+#: them once, before the first step, from the model's resolved solver (flowseam.schedulers).
+SOLVER_OPS = (FLOW_MATCH_STEP, FLOW_STOCHASTIC_STEP, UNIPC_STEP, FLOW_SDE_STEP)
+
+#: The highest UniPC order flowseam implements.
+UNIPC_MAX_ORDER = 3
 
 
 class SDEStepOutput(NamedTuple):
@@ -94,6 +180,44 @@ class SDEStepOutput(NamedTuple):
     log_prob: Any
     mean: Any
     std: Any
+
+
+class UniPCState(NamedTuple):
+    """The history a ``UNIPC_STEP`` kernel carries from one step to the next (oldest first).
+
+    :ivar sigmas: the sigmas of the stored model outputs, strictly decreasing (Python floats).
+    :ivar outputs: the data predictions ``x - sigma * v`` at those sigmas, the latents' shape, in
+        the compute dtype (at most ``order`` of them after a step).
+    :ivar last_sample: the (corrected) latents the last predictor started from, x's dtype; None
+        before the first step.
+    :ivar last_order: the order of the last predictor (the next corrector uses it); 0 at first.
+    """
+
+    sigmas: tuple
+    outputs: tuple
+    last_sample: Any
+    last_order: int
+
+    @classmethod
+    def empty(cls) -> "UniPCState":
+        """The state before the first step."""
+        return cls((), (), None, 0)
+
+
+class UniPCStepOutput(NamedTuple):
+    """Result of a ``UNIPC_STEP`` kernel: ``sample`` (x's shape and dtype) and the new state."""
+
+    sample: Any
+    state: UniPCState
+
+
+def unipc_order(index: int, num_steps: int, solver_order: int, lower_order_final: bool) -> int:
+    """The UniPC order of step ``index`` (0-based) of ``num_steps``, as diffusers'
+    ``UniPCMultistepScheduler.step`` chooses it: ``solver_order``, lowered while the history is
+    short (warm-up: at most ``index + 1``) and, with ``lower_order_final``, on the last steps (at
+    most ``num_steps - index``)."""
+    order = min(solver_order, num_steps - index) if lower_order_final else solver_order
+    return min(order, index + 1)
 
 
 def _shape(t: Any) -> tuple:
@@ -124,9 +248,11 @@ def check_sigmas(sigma: float, sigma_next: float, *, sde: bool, sigma_max: float
         raise ValueError(
             f"sigma_next == sigma == {sigma!r}: the SDE step needs sigma_next < sigma "
             "(its std is std_dev_t * sqrt(sigma - sigma_next))")
-    if not (0.0 < noise_level < math.inf):
-        raise ValueError(f"noise_level={noise_level!r} must be finite and > 0 (it scales the "
-                         "SDE step's std; use flow_match_step for a deterministic step)")
+    if not (0.0 <= noise_level < math.inf):
+        raise ValueError(f"noise_level={noise_level!r} must be finite and >= 0 (it scales the "
+                         "SDE step's std; 0 makes the step deterministic)")
+    if noise_level == 0.0:
+        return  # the deterministic step: no std, no sigma_max needed (see FLOW_SDE_STEP)
     if sigma == 1.0:
         if sigma_max is None:
             raise ValueError(
@@ -146,6 +272,12 @@ def as_sigma(value: Any, name: str = "sigma") -> float:
     """
     if isinstance(value, (str, bytes, bool)):
         raise ValueError(f"{name}={value!r} must be a number in [0, 1]")
+    shape = tuple(getattr(value, "shape", ()))
+    if shape and math.prod(shape) > 1:
+        raise ValueError(
+            f"{name} has shape {shape}: flow steps take one scalar {name} for the whole batch "
+            "(flowseam's loops step every row on one schedule, and its trainers recompute one "
+            "BehaviorRecord at a time); group the rows by sigma and call the step once per group")
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
@@ -206,15 +338,124 @@ def check_renoise(x0: Any, noise: Any, sigma: float) -> None:
         raise ValueError(f"sigma={sigma!r} is outside [0, 1]")
 
 
+def check_unipc(sigma: float, sigma_next: float, state: "UniPCState", *, order: Any,
+                solver_type: str, shape: tuple | None = None) -> None:
+    """Validate the arguments of a ``UNIPC_STEP`` call (domain in :mod:`flowseam.ops`).
+
+    :param shape: x's shape; the state's tensors must have it.
+    :raises ValueError: naming the bad value and what is allowed.
+    """
+    if not isinstance(state, UniPCState):
+        raise ValueError(f"state={type(state).__name__} must be a flowseam.ops.UniPCState "
+                         "(UniPCState.empty() before the first step)")
+    if not (0.0 < sigma < 1.0):
+        raise ValueError(f"sigma={sigma!r}: UniPC needs 0 < sigma < 1 (its log-SNR "
+                         "log((1 - sigma) / sigma) is infinite at 0 and 1; diffusers' schedule "
+                         "starts at 1 - 1e-6)")
+    if not (0.0 <= sigma_next <= sigma):
+        raise ValueError(f"sigma_next={sigma_next!r} must be in [0, sigma={sigma!r}]")
+    if solver_type not in ("bh1", "bh2"):
+        raise ValueError(f"solver_type={solver_type!r} is not a UniPC B(h) variant; use 'bh1' "
+                         "or 'bh2'")
+    if isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= UNIPC_MAX_ORDER:
+        raise ValueError(f"order={order!r} must be an integer in 1..{UNIPC_MAX_ORDER}")
+    if len(state.sigmas) != len(state.outputs):
+        raise ValueError(f"state has {len(state.sigmas)} sigmas but {len(state.outputs)} outputs")
+    if order > len(state.outputs) + 1:
+        raise ValueError(f"order={order} needs {order - 1} earlier model outputs; the state has "
+                         f"{len(state.outputs)} (warm up with lower orders, see unipc_order)")
+    if sigma_next == 0.0 and order != 1:
+        raise ValueError(f"order={order} at sigma_next=0: the log-SNR is infinite there and only "
+                         "order 1 is defined (diffusers lowers the final order with "
+                         "lower_order_final=True)")
+    history = list(state.sigmas) + [sigma]
+    if any(not (a > b) for a, b in zip(history, history[1:])):
+        raise ValueError(f"state.sigmas={tuple(state.sigmas)} must decrease strictly and stay "
+                         f"above sigma={sigma!r}")
+    if state.last_sample is not None and not 1 <= state.last_order <= len(state.outputs):
+        raise ValueError(f"state.last_order={state.last_order!r} must be in "
+                         f"1..{len(state.outputs)} (the outputs the corrector uses)")
+    if shape is not None:
+        tensors = [("state.outputs", t) for t in state.outputs]
+        if state.last_sample is not None:
+            tensors.append(("state.last_sample", state.last_sample))
+        for name, t in tensors:
+            if _shape(t) != tuple(shape):
+                raise ValueError(f"{name} has shape {_shape(t)} but x has shape {tuple(shape)}")
+
+
+class UniPCCoefficients(NamedTuple):
+    """The scalars of one UniPC update (Python floats): ``out = base * x + m0 * m0_tensor +
+    sum_k diffs[k] * (older_k - m0_tensor) + last * (m - m0_tensor)`` (``last`` for the
+    corrector only)."""
+
+    base: float
+    m0: float
+    diffs: tuple
+    last: float
+
+
+def _log_snr(s: float) -> float:
+    return math.inf if s == 0.0 else math.log1p(-s) - math.log(s)
+
+
+def unipc_coefficients(s0: float, t: float, older: tuple, solver_type: str, *,
+                       corrector: bool) -> UniPCCoefficients:
+    """The scalars of a UniPC predictor (``corrector=False``: from ``s0`` to ``t``) or corrector
+    (``corrector=True``: the update that lands on ``t``, recomputed with the model output at
+    ``t``), in Python float64, from the formulas in :mod:`flowseam.ops`.
+
+    :param older: the sigmas of the earlier model outputs used, most recent first (length
+        ``order - 1``).
+    A helper for kernels: they apply these scalars to tensors. Arguments are assumed valid
+    (:func:`check_unipc`).
+    """
+    import numpy as np
+
+    p = len(older) + 1
+    lam0 = _log_snr(s0)
+    h = _log_snr(t) - lam0
+    alpha_t = 1.0 - t
+    hh = -h
+    phi1 = math.expm1(hh)
+    b_h = hh if solver_type == "bh1" else math.expm1(hh)
+    base, m0 = t / s0, -alpha_t * phi1
+    if p == 1:
+        rho = [0.5] if corrector else []
+        last = -alpha_t * b_h * rho[-1] if corrector else 0.0
+        return UniPCCoefficients(base, m0, (), last)
+    rks = [(_log_snr(s) - lam0) / h for s in older] + [1.0]
+    g, factorial, b = phi1 / hh - 1.0, 1, []
+    for i in range(1, p + 1):
+        b.append(g * factorial / b_h)
+        factorial *= i + 1
+        g = g / hh - 1.0 / factorial
+    R = np.array([[r ** (i - 1) for r in rks] for i in range(1, p + 1)], dtype=np.float64)
+    if corrector:
+        rho = list(np.linalg.solve(R, np.array(b)))
+    elif p == 2:
+        rho = [0.5]
+    else:
+        rho = list(np.linalg.solve(R[:-1, :-1], np.array(b[:-1])))
+    diffs = tuple(float(-alpha_t * b_h * rho[k] / rks[k]) for k in range(p - 1))
+    last = float(-alpha_t * b_h * rho[-1]) if corrector else 0.0
+    return UniPCCoefficients(base, m0, diffs, last)
+
+
 def sde_std_dev_t(sigma: float, noise_level: float, sigma_max: float | None) -> float:
     """``noise_level * sqrt(sigma / (1 - s))`` with ``s = sigma_max if sigma == 1 else sigma``
-    (Flow-GRPO, SD3 ``sde_step_with_logprob``). Python float arithmetic (float64)."""
+    (Flow-GRPO, SD3 ``sde_step_with_logprob``); 0 when ``noise_level == 0``. Python float
+    arithmetic (float64)."""
+    if noise_level == 0.0:
+        return 0.0
     s = sigma_max if sigma == 1.0 else sigma
     return noise_level * math.sqrt(sigma / (1.0 - s))
 
 
 __all__ = [
     "ALL_OPS", "ATTENTION", "CACHED_ATTENTION", "FLOW_MATCH_STEP", "FLOW_RENOISE", "FLOW_SDE_STEP",
-    "SDEStepOutput", "as_sigma", "check_attention", "check_cached_attention", "check_renoise",
-    "check_sigmas", "check_step_tensors", "sde_std_dev_t",
+    "FLOW_STOCHASTIC_STEP", "SDEStepOutput", "SOLVER_OPS", "UNIPC_MAX_ORDER", "UNIPC_STEP",
+    "UniPCCoefficients", "UniPCState", "UniPCStepOutput", "as_sigma", "check_attention",
+    "check_cached_attention", "check_renoise", "check_sigmas", "check_step_tensors", "check_unipc",
+    "sde_std_dev_t", "unipc_coefficients", "unipc_order",
 ]

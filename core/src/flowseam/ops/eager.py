@@ -18,13 +18,17 @@ import torch.nn.functional as F
 
 from . import (
     SDEStepOutput,
+    UniPCState,
+    UniPCStepOutput,
     as_sigma,
     check_attention,
     check_cached_attention,
     check_renoise,
     check_sigmas,
     check_step_tensors,
+    check_unipc,
     sde_std_dev_t,
+    unipc_coefficients,
 )
 
 HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -58,6 +62,8 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
     sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v, noise, prev_sample)
     check_sigmas(sigma, sigma_next, sde=True, sigma_max=sigma_max, noise_level=noise_level)
+    if noise_level == 0.0:
+        return deterministic_sde_step(x, v, sigma, sigma_next, prev_sample)
     ct = compute_dtype(x)
     dt = sigma_next - sigma
     std_dev_t = sde_std_dev_t(sigma, noise_level, sigma_max)
@@ -76,6 +82,79 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
     log_prob = log_density.reshape(x.shape[0], -1).mean(dim=1)
     return SDEStepOutput(sample=sample, log_prob=log_prob, mean=mean,
                          std=torch.tensor(std, dtype=ct, device=x.device))
+
+
+def deterministic_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float,
+                           prev_sample: torch.Tensor | None = None) -> SDEStepOutput:
+    """``flow_sde_step`` at ``noise_level == 0`` (contract in :mod:`flowseam.ops`): ``mean`` is
+    the Euler step in the compute dtype, ``sample`` that mean in x's dtype (or ``prev_sample``
+    as given), ``std`` 0 and ``log_prob`` 0 per sample. Arguments are assumed checked; every
+    backend may call this for its ``noise_level == 0`` case."""
+    ct = compute_dtype(x)
+    mean = torch.add(x.to(ct), v.to(ct), alpha=sigma_next - sigma)
+    sample = mean.detach().to(x.dtype) if prev_sample is None else prev_sample.to(x.dtype)
+    zeros = torch.zeros(x.shape[0], dtype=ct, device=x.device)
+    return SDEStepOutput(sample=sample, log_prob=zeros, mean=mean,
+                         std=torch.tensor(0.0, dtype=ct, device=x.device))
+
+
+def flow_stochastic_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float, *,
+                         noise: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
+    """``(1 - sigma_next) * (x - sigma * v) + sigma_next * noise`` (diffusers'
+    ``FlowMatchEulerDiscreteScheduler.step`` with ``stochastic_sampling=True``); x, v, noise:
+    (B, ...); noise drawn from ``generator`` when not given; returns x's dtype."""
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
+    check_step_tensors(x, v, noise)
+    check_sigmas(sigma, sigma_next, sde=False)
+    ct = compute_dtype(x)
+    if noise is None:
+        noise = torch.randn(x.shape, generator=generator, dtype=ct, device=x.device)
+    x0 = x.to(ct) - sigma * v.to(ct)
+    return ((1.0 - sigma_next) * x0 + sigma_next * noise.to(ct)).to(x.dtype)
+
+
+def _unipc_update(coef, base: torch.Tensor, m0: torch.Tensor, older: list[torch.Tensor],
+                  m: torch.Tensor | None) -> torch.Tensor:
+    out = base * coef.base + m0 * coef.m0
+    for scale, o in zip(coef.diffs, older):
+        out = out + (o - m0) * scale
+    if m is not None:
+        out = out + (m - m0) * coef.last
+    return out
+
+
+def unipc_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float,
+               state: UniPCState, *, order: int, solver_type: str = "bh2",
+               corrector: bool = True) -> UniPCStepOutput:
+    """One UniPC step (flow-matching data prediction, B(h) variants; formulas, state and domain
+    in :mod:`flowseam.ops`). x, v: (B, ...) any float dtype; the sample comes back in x's dtype,
+    the stored data predictions in the compute dtype. Matches diffusers'
+    ``UniPCMultistepScheduler.step`` with ``use_flow_sigmas=True``."""
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
+    check_step_tensors(x, v)
+    check_unipc(sigma, sigma_next, state, order=order, solver_type=solver_type, shape=x.shape)
+    ct = compute_dtype(x)
+    m = x.to(ct) - sigma * v.to(ct)
+    sample = x
+    if corrector and state.last_sample is not None:
+        p = state.last_order
+        older = [state.outputs[-1 - k] for k in range(1, p)]
+        coef = unipc_coefficients(state.sigmas[-1], sigma,
+                                  tuple(state.sigmas[-1 - k] for k in range(1, p)), solver_type,
+                                  corrector=True)
+        sample = _unipc_update(coef, state.last_sample.to(ct), state.outputs[-1], older,
+                               m).to(x.dtype)
+    sigmas, outputs = tuple(state.sigmas) + (sigma,), tuple(state.outputs) + (m,)
+    if sigma_next == sigma:  # h = 0: the predictor is the identity
+        out = sample.clone()
+    else:
+        older = [outputs[-1 - k] for k in range(1, order)]
+        coef = unipc_coefficients(sigma, sigma_next,
+                                  tuple(sigmas[-1 - k] for k in range(1, order)), solver_type,
+                                  corrector=False)
+        out = _unipc_update(coef, sample.to(ct), m, older, None).to(x.dtype)
+    return UniPCStepOutput(out, UniPCState(sigmas[-order:], outputs[-order:], sample, order))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

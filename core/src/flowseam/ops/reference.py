@@ -13,12 +13,15 @@ import numpy as np
 
 from . import (
     SDEStepOutput,
+    UniPCState,
+    UniPCStepOutput,
     as_sigma,
     check_attention,
     check_cached_attention,
     check_renoise,
     check_sigmas,
     check_step_tensors,
+    check_unipc,
     sde_std_dev_t,
 )
 
@@ -56,6 +59,11 @@ def flow_sde_step(x, v, sigma: float, sigma_next: float, *, noise=None, prev_sam
     check_sigmas(sigma, sigma_next, sde=True, sigma_max=sigma_max, noise_level=noise_level)
     x, v = _f64(x), _f64(v)
     dt = sigma_next - sigma
+    if noise_level == 0.0:  # deterministic: the Euler step, no density (see flowseam.ops)
+        mean = x + dt * v
+        sample = mean if prev_sample is None else _f64(prev_sample)
+        return SDEStepOutput(sample=sample, log_prob=np.zeros(x.shape[0]), mean=mean,
+                             std=np.float64(0.0))
     std_dev_t = sde_std_dev_t(sigma, noise_level, sigma_max)
     mean = (x * (1.0 + std_dev_t**2 * dt / (2.0 * sigma))
             + v * (1.0 + std_dev_t**2 * (1.0 - sigma) / (2.0 * sigma)) * dt)
@@ -70,6 +78,84 @@ def flow_sde_step(x, v, sigma: float, sigma_next: float, *, noise=None, prev_sam
                    - 0.5 * math.log(2.0 * math.pi))
     log_prob = log_density.reshape(log_density.shape[0], -1).mean(axis=1)
     return SDEStepOutput(sample=sample, log_prob=log_prob, mean=mean, std=np.float64(std))
+
+
+def flow_stochastic_step(x, v, sigma: float, sigma_next: float, *, noise=None,
+                         generator: np.random.Generator | None = None) -> np.ndarray:
+    """``(1 - sigma_next) * (x - sigma * v) + sigma_next * noise`` in float64 (diffusers'
+    stochastic sampling). ``generator`` is a ``numpy.random.Generator`` here."""
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
+    check_step_tensors(x, v, noise)
+    check_sigmas(sigma, sigma_next, sde=False)
+    x, v = _f64(x), _f64(v)
+    if noise is None:
+        noise = (generator or np.random.default_rng()).standard_normal(x.shape)
+    return (1.0 - sigma_next) * (x - sigma * v) + sigma_next * _f64(noise)
+
+
+def _lambda(s: float) -> float:
+    """UniPC's log-SNR of flow sigmas: log(alpha) - log(sigma) with alpha = 1 - sigma."""
+    return np.inf if s == 0 else float(np.log(1.0 - s) - np.log(s))
+
+
+def _unipc_solve(s0: float, t: float, older: list[float], solver_type: str,
+                 corrector: bool) -> tuple[float, float, np.ndarray, np.ndarray]:
+    """(h, hh, rks, rhos) of one UniPC update, written from Zhao et al. 2023, Algorithm 2
+    (B(h) variants) in diffusers' data-prediction form."""
+    h = _lambda(t) - _lambda(s0)
+    hh = -h
+    p = len(older) + 1
+    rks = np.array([(_lambda(s) - _lambda(s0)) / h for s in older] + [1.0])
+    b_h = hh if solver_type == "bh1" else np.expm1(hh)
+    # b_i = i! * phi_{i+1}(hh) / B(h), with h*phi_1 = expm1(hh) and the recursion
+    # phi_{k+1} = phi_k / hh - 1 / (k+1)! (Zhao et al. 2023, eq. 12)
+    phis, g, fact = [], np.expm1(hh) / hh - 1.0, 1.0
+    for i in range(1, p + 1):
+        phis.append(g * fact / b_h)
+        fact *= i + 1
+        g = g / hh - 1.0 / fact
+    powers = np.vander(rks, p, increasing=True).T  # row i: rks ** i
+    if corrector:
+        rhos = np.array([0.5]) if p == 1 else np.linalg.solve(powers, np.array(phis))
+    else:
+        rhos = np.array([0.5]) if p == 2 else (
+            np.linalg.solve(powers[:-1, :-1], np.array(phis[:-1])) if p > 2 else np.zeros(0))
+    return h, hh, rks, rhos
+
+
+def unipc_step(x, v, sigma: float, sigma_next: float, state: UniPCState, *, order: int,
+               solver_type: str = "bh2", corrector: bool = True) -> UniPCStepOutput:
+    """One UniPC step in float64 (formulas and state in :mod:`flowseam.ops`); the state holds
+    numpy arrays."""
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
+    check_step_tensors(x, v)
+    check_unipc(sigma, sigma_next, state, order=order, solver_type=solver_type, shape=x.shape)
+    x, v = _f64(x), _f64(v)
+    m = x - sigma * v
+    if corrector and state.last_sample is not None:
+        p, s0, m0 = state.last_order, state.sigmas[-1], _f64(state.outputs[-1])
+        older = [state.sigmas[-1 - k] for k in range(1, p)]
+        h, hh, rks, rhos = _unipc_solve(s0, sigma, older, solver_type, corrector=True)
+        b_h = hh if solver_type == "bh1" else np.expm1(hh)
+        res = sum(rhos[k - 1] * (_f64(state.outputs[-1 - k]) - m0) / rks[k - 1]
+                  for k in range(1, p)) + rhos[-1] * (m - m0)
+        x = (sigma / s0) * _f64(state.last_sample) - (1 - sigma) * np.expm1(hh) * m0 \
+            - (1 - sigma) * b_h * res
+    sigmas = list(state.sigmas) + [sigma]
+    outputs = [_f64(o) for o in state.outputs] + [m]
+    older = [sigmas[-1 - k] for k in range(1, order)]
+    if sigma_next == 0.0:  # order 1 (checked): the limit h -> inf of the update is m
+        sample = m.copy()
+    elif sigma_next == sigma:  # h = 0: the identity
+        sample = x.copy()
+    else:
+        h, hh, rks, rhos = _unipc_solve(sigma, sigma_next, older, solver_type, corrector=False)
+        b_h = hh if solver_type == "bh1" else np.expm1(hh)
+        res = sum(rhos[k - 1] * (outputs[-1 - k] - m) / rks[k - 1] for k in range(1, order))
+        sample = (sigma_next / sigma) * x - (1 - sigma_next) * np.expm1(hh) * m \
+            - (1 - sigma_next) * b_h * res
+    return UniPCStepOutput(sample, UniPCState(tuple(sigmas[-order:]), tuple(outputs[-order:]),
+                                              x, order))
 
 
 def attention(q, k, v, attn_mask=None, scale: float | None = None) -> np.ndarray:

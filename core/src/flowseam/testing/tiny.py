@@ -18,10 +18,17 @@ import diffusers
 import torch
 import transformers
 
-__all__ = ["CARDS", "write_tiny_checkpoint"]
+__all__ = ["ALL_CARDS", "CARDS", "SCHEDULER_CLASSES", "clip_tokenizer", "t5_tokenizer",
+           "write_tiny_checkpoint"]
 
-#: The cards :func:`write_tiny_checkpoint` knows, in a fixed order.
+#: The cards of the conformance suite (one checkpoint each), in a fixed order.
 CARDS = ("wan2.1-t2v", "wan2.1-i2v", "flux.1-t2i", "wan2.1-causal-t2v")
+
+#: Every card :func:`write_tiny_checkpoint` knows: :data:`CARDS` and Wan2.2's two-expert layouts.
+ALL_CARDS = CARDS + ("wan2.2-t2v", "wan2.2-i2v")
+
+#: The scheduler classes it can write (``scheduler_class=``).
+SCHEDULER_CLASSES = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
 
 #: Name of the small provenance file written next to ``model_index.json``.
 METADATA_FILE = "flowseam_tiny.json"
@@ -37,11 +44,14 @@ _OVERRIDABLE = {
                    "scheduler"),
     "flux.1-t2i": ("text_encoder", "text_encoder_2", "vae", "transformer", "scheduler"),
     "wan2.1-causal-t2v": ("text_encoder", "vae", "transformer", "scheduler", "causal"),
+    "wan2.2-t2v": ("text_encoder", "vae", "transformer", "transformer_2", "scheduler"),
+    "wan2.2-i2v": ("text_encoder", "vae", "transformer", "transformer_2", "scheduler"),
 }
 
 
 def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: int = 0,
-                          **overrides) -> pathlib.Path:
+                          scheduler_class: str = "FlowMatchEulerDiscreteScheduler",
+                          boundary_ratio: float = 0.875, **overrides) -> pathlib.Path:
     """Write a tiny random diffusers pipeline for ``card`` into the directory ``path``.
 
     The models are initialised on CPU in float32, in a fixed order, inside
@@ -98,6 +108,13 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
           use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
           max_image_seq_len=4096)`` (FLUX.1-dev's config).
 
+    ``"wan2.2-t2v"`` / ``"wan2.2-i2v"`` -> :class:`diffusers.WanPipeline` /
+    :class:`diffusers.WanImageToVideoPipeline` in Wan2.2 A14B's layout
+        As the Wan2.1 cards, plus ``transformer_2`` (the low-noise expert: the same config as
+        ``transformer``, unless overridden, initialised after it from the same seeded stream,
+        so the two experts differ) and ``boundary_ratio`` (default 0.875). The I2V variant has
+        no CLIP image encoder (``image_dim`` and ``added_kv_proj_dim`` null, as Wan2.2 I2V).
+
     With these sizes a 2-step call at 32x32 px (Wan: 5 frames) takes well under a second on
     two CPU cores. Height and width must be multiples of 16 for all three cards (VAE factor 8
     times patch/packing 2); Wan ``num_frames`` must be ``4k + 1``.
@@ -106,6 +123,11 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
         card: one of :data:`CARDS`.
         path: directory to write; created (with parents) if missing, must be empty if present.
         seed: seed for ``torch.manual_seed`` before the weights are initialised.
+        scheduler_class: ``"FlowMatchEulerDiscreteScheduler"`` (default, with the card's
+            config above) or ``"UniPCMultistepScheduler"`` (what the Wan2.1-Diffusers
+            checkpoints ship: ``prediction_type="flow_prediction"``, ``use_flow_sigmas=True``,
+            ``flow_shift=3.0``); ``scheduler=`` overrides are merged into its kwargs.
+        boundary_ratio: the Wan2.2 cards' expert boundary (ignored by the other cards).
         **overrides: per-component config overrides, each a mapping merged into that
             component's constructor kwargs, e.g. ``transformer={"num_layers": 3}``,
             ``scheduler={"shift": 5.0}``, ``vae={"z_dim": 4}``. Accepted names:
@@ -125,8 +147,11 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
         FileExistsError: ``path`` exists and is a non-empty directory.
         NotADirectoryError: ``path`` exists and is not a directory.
     """
-    if card not in CARDS:
-        raise ValueError(f"unknown card {card!r}; allowed cards: {', '.join(CARDS)}")
+    if card not in ALL_CARDS:
+        raise ValueError(f"unknown card {card!r}; allowed cards: {', '.join(ALL_CARDS)}")
+    if scheduler_class not in SCHEDULER_CLASSES:
+        raise ValueError(f"unknown scheduler_class {scheduler_class!r}; allowed: "
+                         f"{', '.join(SCHEDULER_CLASSES)}")
     allowed = _OVERRIDABLE[card]
     for name, value in overrides.items():
         if name not in allowed:
@@ -149,7 +174,12 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
     # generators are left alone; fork_rng restores the caller's CPU RNG state afterwards.
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.random.default_generator.manual_seed(seed)
-        pipe = _BUILDERS[card]({k: dict(v) for k, v in overrides.items()})
+        unipc = scheduler_class == "UniPCMultistepScheduler"
+        pipe = _BUILDERS[card]({k: dict(v) for k, v in overrides.items()
+                                if not (unipc and k == "scheduler")})
+        pipe.scheduler = _scheduler(scheduler_class, pipe.scheduler, overrides.get("scheduler", {}))
+        if card.startswith("wan2.2"):
+            pipe.register_to_config(boundary_ratio=float(boundary_ratio))
 
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out, safe_serialization=True)
@@ -158,7 +188,9 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
         index["_flowseam_causal"] = dict(overrides.get("causal", {}))
         (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     meta = {"generator": "flowseam.testing.tiny", "card": card, "seed": seed,
-            "overrides": overrides}
+            "scheduler_class": scheduler_class, "overrides": overrides}
+    if card.startswith("wan2.2"):
+        meta["boundary_ratio"] = float(boundary_ratio)
     text = json.dumps(meta, indent=2, sort_keys=True, default=repr)
     (out / METADATA_FILE).write_text(text + "\n")
     return out
@@ -183,8 +215,10 @@ def _finish(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def _t5_tokenizer(model_max_length: int = 512):
-    """A T5 (Unigram) tokenizer over printable ASCII, built in memory."""
+def t5_tokenizer(model_max_length: int = 512):
+    """A T5 (Unigram) tokenizer over printable ASCII, built in memory: 192 tokens, ``<pad>`` = 0,
+    ``</s>`` = 1, ``<unk>`` = 2 (what the tiny Wan and FLUX checkpoints ship; tests that rebuild
+    diffusers' own dummy pipelines use it in place of the hub's tiny-random-t5 tokenizer)."""
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     for code in range(33, 127):
         vocab.append(("\u2581" + chr(code), -4.0))
@@ -206,8 +240,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
-def _clip_tokenizer(model_max_length: int = 77):
-    """A byte-level CLIP BPE tokenizer with no merges (every byte is a token), in memory."""
+def clip_tokenizer(model_max_length: int = 77):
+    """A byte-level CLIP BPE tokenizer with no merges (every byte is a token, 514 tokens), in
+    memory (in place of the hub's tiny-random-clip tokenizer)."""
     symbols = list(_bytes_to_unicode().values())
     vocab = {}
     for s in symbols:
@@ -244,16 +279,26 @@ def _wan_vae(user: dict):
     return _finish(diffusers.AutoencoderKLWan(**cfg))
 
 
+def _scheduler(cls_name: str, euler, user: dict):
+    """The card's FlowMatchEuler scheduler as built, or a UniPC one in the flow configuration
+    (with the Euler shift as its flow_shift unless ``user`` says otherwise)."""
+    if cls_name == "FlowMatchEulerDiscreteScheduler":
+        return euler
+    return diffusers.UniPCMultistepScheduler(**_merge(
+        dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
+             flow_shift=euler.config.shift, solver_order=2, solver_type="bh2"), user))
+
+
 # --------------------------------------------------------------------------- builders
 
 
-def _build_wan(ov: dict, *, i2v: bool):
-    tokenizer = _t5_tokenizer(512)
+def _build_wan(ov: dict, *, i2v: bool, experts: int = 1):
+    tokenizer = t5_tokenizer(512)
     text_encoder = _finish(transformers.UMT5EncoderModel(
         transformers.UMT5Config(**_t5_like_config(len(tokenizer), ov.get("text_encoder", {})))))
 
     image_encoder = image_processor = None
-    if i2v:
+    if i2v and experts == 1:
         ie_cfg = _merge(
             dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
                  num_attention_heads=4, num_channels=3, image_size=32, patch_size=8,
@@ -278,15 +323,19 @@ def _build_wan(ov: dict, *, i2v: bool):
         "out_channels": lambda c: z,
         "text_dim": lambda c: text_dim,
     }
-    if i2v:
+    if image_encoder is not None:
         derived["image_dim"] = lambda c: image_encoder.config.hidden_size
         derived["added_kv_proj_dim"] = lambda c: c["num_attention_heads"] * c["attention_head_dim"]
-    tr_cfg = _merge(
-        dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, freq_dim=256,
-             ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-             eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024),
-        ov.get("transformer", {}), derived)
+    tr_defaults = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                       freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+                       qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None,
+                       added_kv_proj_dim=None, rope_max_seq_len=1024)
+    tr_cfg = _merge(tr_defaults, ov.get("transformer", {}), derived)
     transformer = _finish(diffusers.WanTransformer3DModel(**tr_cfg))
+    transformer_2 = None
+    if experts == 2:  # the low-noise expert: transformer's config unless overridden
+        transformer_2 = _finish(diffusers.WanTransformer3DModel(
+            **{**tr_cfg, **ov.get("transformer_2", {})}))
 
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**_merge(
         dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
@@ -295,14 +344,15 @@ def _build_wan(ov: dict, *, i2v: bool):
     if i2v:
         return diffusers.WanImageToVideoPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-            image_processor=image_processor, image_encoder=image_encoder, transformer=transformer)
+            image_processor=image_processor, image_encoder=image_encoder, transformer=transformer,
+            transformer_2=transformer_2)
     return diffusers.WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-        transformer=transformer)
+        transformer=transformer, transformer_2=transformer_2)
 
 
 def _build_flux(ov: dict):
-    tokenizer = _clip_tokenizer(77)
+    tokenizer = clip_tokenizer(77)
     clip_cfg = _merge(
         dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2,
              num_attention_heads=4, max_position_embeddings=77, hidden_act="quick_gelu",
@@ -314,7 +364,7 @@ def _build_flux(ov: dict):
          "pad_token_id": lambda c: tokenizer.pad_token_id})
     text_encoder = _finish(transformers.CLIPTextModel(transformers.CLIPTextConfig(**clip_cfg)))
 
-    tokenizer_2 = _t5_tokenizer(512)
+    tokenizer_2 = t5_tokenizer(512)
     text_encoder_2 = _finish(transformers.T5EncoderModel(
         transformers.T5Config(**_t5_like_config(len(tokenizer_2), ov.get("text_encoder_2", {})))))
 
@@ -357,4 +407,6 @@ _BUILDERS = {
     "wan2.1-t2v": lambda ov: _build_wan(ov, i2v=False),
     "wan2.1-i2v": lambda ov: _build_wan(ov, i2v=True),
     "flux.1-t2i": _build_flux,
+    "wan2.2-t2v": lambda ov: _build_wan(ov, i2v=False, experts=2),
+    "wan2.2-i2v": lambda ov: _build_wan(ov, i2v=True, experts=2),
 }

@@ -53,7 +53,19 @@ class Stage:
     @classmethod
     def create(cls, name: str, model: ModelInstance, optim: dict[str, Any], lora: dict[str, Any],
                with_reference: bool, dp: DataParallel | None = None) -> "Stage":
+        """The trainable copy of ``model``'s one DiT.
+
+        :raises FlowseamError: for a model with several DiT experts (Wan2.2): a stage trains one
+            DiT, and training only the first expert while the other one rolls out half of every
+            trajectory would credit it for steps it did not produce.
+        """
         dp = dp or DataParallel.single()
+        if len(model.experts) > 1:
+            raise FlowseamError(
+                f"{model.card.name} has {len(model.experts)} DiT experts "
+                f"({', '.join(model.experts)}); this method trains one DiT. A multi-expert model "
+                "needs a method that credits each expert for the steps it produced "
+                "(BehaviorRecord.expert)")
         if lora["rank"]:
             _add_lora(model.dit, lora)  # the rollout copy gets the same adapters (zero-initialised)
         policy = copy.deepcopy(model.dit)

@@ -97,6 +97,19 @@ def sampling_params(sampling: dict[str, Any]) -> DiffusionParams:
     return DiffusionParams(sde_rollout=True, **sampling)
 
 
+def check_sampling(sampling: dict[str, Any], where: str = "sampling") -> dict[str, Any]:
+    """Refuse sampling settings a policy-gradient update cannot learn from.
+
+    :raises FlowseamError: for ``noise_level=0``: every SDE step is then deterministic
+        (Flow-GRPO's evaluation setting), its log-prob is 0 and every PPO ratio exactly 1.
+    """
+    if sampling.get("noise_level") == 0:
+        raise FlowseamError(f"[{where}] noise_level=0 makes every SDE step deterministic (Flow-"
+                            "GRPO's evaluation setting): its log-prob is 0 and every PPO ratio 1, "
+                            "so nothing would be learned; use noise_level > 0 (default 0.7)")
+    return sampling
+
+
 class FlowGRPO:
     """Flow-GRPO on one model. ``FlowGRPO(config).run()``; see the module docstring.
 
@@ -112,7 +125,7 @@ class FlowGRPO:
         require_group_size(cfg["group_size"])
         if not cfg["prompts"] or not all(isinstance(p, str) for p in cfg["prompts"]):
             raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of strings")
-        self.sampling = section(cfg, "sampling", SAMPLING_DEFAULTS)
+        self.sampling = check_sampling(section(cfg, "sampling", SAMPLING_DEFAULTS))
         self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
         optim = section(cfg, "optim", OPTIM_DEFAULTS)
         lora = section(cfg, "lora", LORA_DEFAULTS)

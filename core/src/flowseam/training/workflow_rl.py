@@ -64,7 +64,7 @@ from .common import (
 )
 from .config import section
 from .distributed import DataParallel, data_parallel
-from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_top, sampling_params
+from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling, check_top, sampling_params
 from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import score
 
@@ -98,8 +98,10 @@ class WorkflowRL:
         if TaskType.T2I not in self.t2i.card.tasks or TaskType.I2V not in self.i2v.card.tasks:
             raise FlowseamError(f"workflow_rl needs a text-to-image then an image-to-video model; got "
                                 f"{self.t2i.card.name} and {self.i2v.card.name}")
-        self.t2i_sampling = section(cfg, "t2i_sampling", SAMPLING_DEFAULTS)
-        self.i2v_sampling = section(cfg, "i2v_sampling", SAMPLING_DEFAULTS)
+        self.t2i_sampling = check_sampling(section(cfg, "t2i_sampling", SAMPLING_DEFAULTS),
+                                           "t2i_sampling")
+        self.i2v_sampling = check_sampling(section(cfg, "i2v_sampling", SAMPLING_DEFAULTS),
+                                           "i2v_sampling")
         self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
         optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
         self.stages = [Stage.create(name, model, section(cfg, f"{name}_optim", optim), lora,

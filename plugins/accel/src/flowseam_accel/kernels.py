@@ -46,6 +46,7 @@ import torch
 from flowseam.ops import SDEStepOutput, as_sigma, check_renoise, check_sigmas, check_step_tensors, sde_std_dev_t
 from flowseam.ops.eager import HALF_LOG_2PI as _HALF_LOG_2PI
 from flowseam.ops.eager import compute_dtype as _compute_dtype
+from flowseam.ops.eager import deterministic_sde_step
 
 from .compiled import compile_function
 
@@ -184,7 +185,7 @@ def flow_match_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: 
     :returns: ``x``'s shape and dtype; the arithmetic is float32 (float64 for float64 ``x``).
     :raises ValueError: on a shape mismatch or sigmas outside the contract (see flowseam.ops).
     """
-    sigma, sigma_next = float(sigma), float(sigma_next)
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v)
     check_sigmas(sigma, sigma_next, sde=False)
     dt = torch.tensor(sigma_next - sigma, dtype=_compute_dtype(x), device=x.device)
@@ -205,9 +206,11 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
         recomputed bit for bit (the same compiled graph as the rollout).
     :returns: :class:`flowseam.ops.SDEStepOutput` ``(sample, log_prob (B,), mean, std)``.
     """
-    sigma, sigma_next = float(sigma), float(sigma_next)
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v, noise, prev_sample)
     check_sigmas(sigma, sigma_next, sde=True, sigma_max=sigma_max, noise_level=noise_level)
+    if noise_level == 0.0:  # deterministic: the Euler mean, log-prob 0 (flowseam.ops contract)
+        return deterministic_sde_step(x, v, sigma, sigma_next, prev_sample)
     ct = _compute_dtype(x)
     dt = sigma_next - sigma
     std_dev_t = sde_std_dev_t(sigma, noise_level, sigma_max)

@@ -50,9 +50,10 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
     # walks the whole chain (x86_64-avx512 -> x86_64-avx2 -> x86_64 -> generic) before it finds
     # it; flow_sde_step is registered at the most specific rung of this host, a direct hit.
     # (inductor generates the SIMD code of the host, so either registration is honest.)
-    # accel registers no attention kernel, neither plain nor cached (the causal loop's): both
-    # fall back to cpu's, visibly in platform.explain(). It does fuse the causal loop's
-    # re-noising step (generic rung).
+    # accel registers no attention kernel, neither plain nor cached (the causal loop's), and no
+    # unipc_step / flow_stochastic_step: those ops fall back to cpu's (eager torch on accel's
+    # tensors), visibly in platform.explain(). It does fuse the causal loop's re-noising step
+    # (generic rung).
     return [
         KernelRegistration(ops.FLOW_MATCH_STEP, kernels.flow_match_step, arch="generic"),
         KernelRegistration(ops.FLOW_SDE_STEP, kernels.flow_sde_step, arch=arch_chain()[0]),

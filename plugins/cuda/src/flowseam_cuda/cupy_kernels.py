@@ -42,7 +42,8 @@ import math
 
 import numpy as np
 import torch
-from flowseam.ops import SDEStepOutput, check_sigmas, check_step_tensors, sde_std_dev_t
+from flowseam.ops import SDEStepOutput, as_sigma, check_sigmas, check_step_tensors, sde_std_dev_t
+from flowseam.ops.eager import deterministic_sde_step
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 _BLOCK = 256            # threads per block (the reduction tree assumes a power of two)
@@ -208,7 +209,7 @@ def flow_match_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: 
     :returns: a new tensor of ``x``'s shape and dtype.
     :raises ValueError: shape mismatch, sigmas outside the contract, or non-CUDA tensors.
     """
-    sigma, sigma_next = float(sigma), float(sigma_next)
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v)
     check_sigmas(sigma, sigma_next, sde=False)
     _check_cuda(x=x, v=v)
@@ -312,10 +313,12 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
     :returns: :class:`flowseam.ops.SDEStepOutput` ``(sample, log_prob (B,), mean, std)``.
     :raises ValueError: as every backend (flowseam.ops), or for non-CUDA tensors.
     """
-    sigma, sigma_next = float(sigma), float(sigma_next)
+    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v, noise, prev_sample)
     check_sigmas(sigma, sigma_next, sde=True, sigma_max=sigma_max, noise_level=noise_level)
     _check_cuda(x=x, v=v, noise=noise, prev_sample=prev_sample)
+    if noise_level == 0.0:  # deterministic: the Euler mean, log-prob 0 (flowseam.ops contract)
+        return deterministic_sde_step(x, v, sigma, sigma_next, prev_sample)
     ct = _compute_dtype(x)
     dt = sigma_next - sigma
     std_dev_t = sde_std_dev_t(sigma, noise_level, sigma_max)

@@ -15,9 +15,12 @@ rungs of other hosts are skipped with the reason):
   (:mod:`flowseam.ops.reference`), with the tolerance of the output dtype
   (``flowseam.ops.reference.TOLERANCES``), for x/v in float32, float64, bfloat16, float16 and
   float32 latents with a bfloat16 velocity, on shapes of rank 2 to 5 (odd sizes, batch 1 to 3),
-  at sigma 1 (with sigma_max), a middle step and the last step to sigma 0; attention with and
-  without boolean/additive masks, cross-attention and a custom scale;
-* ``test_kernel_rejects_bad_arguments``: ``ValueError`` for the contract's bad arguments;
+  at sigma 1 (with sigma_max), a middle step, the last step to sigma 0 and the SDE step at
+  ``noise_level=0``; UniPC at orders 1-3, bh1 and bh2, with and without its corrector, from an
+  empty history, to sigma 0 and on a repeated final sigma (sample and the whole state compared);
+  attention with and without boolean/additive masks, cross-attention and a custom scale;
+* ``test_kernel_rejects_bad_arguments``: ``ValueError`` for the contract's bad arguments
+  (a per-sample ``(B,)`` sigma among them);
 * ``test_sde_recompute_reproduces_log_prob``: C2 at the kernel level (recomputing with
   ``prev_sample=`` gives the rollout's log-prob, PPO ratio 1 within 1e-6), a seeded generator is
   deterministic, and the drawn noise is standard normal;
@@ -38,6 +41,10 @@ rungs of other hosts are skipped with the reason):
 
 * ``test_serve_parity_with_cpu`` (C1): the same request and seed on the backend and on cpu give
   the same latents and frames within the tolerance of the DiT's dtype;
+* ``test_checkpoint_solver_matches_diffusers``: the solvers a checkpoint's scheduler may name
+  (UniPC at orders 2 and 3, FlowMatchEuler's stochastic sampling, a static shift on FLUX) run
+  through the platform's kernel for that op (or its cpu fallback) and equal diffusers' own
+  pipeline on the same checkpoint and seed, within the tolerance of the DiT's dtype;
 * ``test_rollout_log_prob_recomputes`` (C2): a real SDE rollout
   (``run_loop(..., profile=ExecutionProfile.ROLLOUT)``), then for every step the velocity
   recomputed with ``model.velocity`` and the log-prob recomputed with the *pinned* kernel

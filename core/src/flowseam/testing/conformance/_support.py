@@ -78,9 +78,40 @@ STEPS = (
     Step("first", 1.0, 0.95, (2, 16, 2, 4, 4), sigma_max=0.95),  # sigma == 1: SDE uses sigma_max
     Step("middle", 0.6, 0.45, (3, 37)),                          # odd size, rank 2
     Step("last", 0.1, 0.0, (1, 16, 64)),                         # packed latents, batch 1, to 0
+    Step("noise_level_0", 0.6, 0.45, (2, 9), noise_level=0.0),   # the SDE step, deterministic
     Step("large", 0.5, 0.3, (2, 16, 5, 12, 20), noise_level=1.0),
 )
 LARGE = STEPS[-1]
+
+
+@dataclass(frozen=True)
+class UniPCCase:
+    """One UniPC step of the kernel checks: the sigmas of the earlier model outputs (oldest
+    first), the step, its order, solver type and whether the corrector runs."""
+
+    id: str
+    history: tuple[float, ...]
+    sigma: float
+    sigma_next: float
+    order: int
+    solver_type: str = "bh2"
+    corrector: bool = True
+    shape: tuple[int, ...] = (2, 16, 2, 4, 4)
+
+    @property
+    def last_order(self) -> int:
+        """The previous step's order (what its corrector uses): all of the history."""
+        return len(self.history)
+
+
+UNIPC_CASES = (
+    UniPCCase("first", (), 0.999999, 0.9, 1),                          # no history, no corrector
+    UniPCCase("order2", (0.95, 0.8), 0.6, 0.4, 2, shape=(3, 37)),
+    UniPCCase("order3_bh1", (0.95, 0.85, 0.7), 0.55, 0.35, 3, solver_type="bh1"),
+    UniPCCase("order3_no_corrector", (0.95, 0.85, 0.7), 0.55, 0.35, 3, corrector=False),
+    UniPCCase("last_to_zero", (0.3, 0.2), 0.1, 0.0, 1, shape=(1, 16, 64)),
+    UniPCCase("repeated_final_sigma", (0.3,), 0.2, 0.2, 1, solver_type="bh1"),
+)
 
 #: id → (x dtype, v dtype). The last is what a bf16 DiT hands the loop: float32 latents and a
 #: bf16 velocity.
@@ -159,6 +190,7 @@ class KernelCase:
     attention: AttentionCase | None = None
     cached: CachedAttentionCase | None = None
     renoise: RenoiseCase | None = None
+    unipc: UniPCCase | None = None
 
     @property
     def compute_dtype(self) -> str:
@@ -195,11 +227,16 @@ def kernel_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
                 for case in RENOISE_CASES:
                     yield (f"{name}-{dtype_id}-{case.id}",
                            KernelCase(reg.op, reg.arch, xd, nd, renoise=case))
-        elif reg.op in (ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP):
+        elif reg.op in (ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP, ops.FLOW_STOCHASTIC_STEP):
             for dtype_id, (xd, vd) in STEP_DTYPES.items():
                 for step in STEPS:
                     yield (f"{name}-{dtype_id}-{step.id}",
                            KernelCase(reg.op, reg.arch, xd, vd, step=step))
+        elif reg.op == ops.UNIPC_STEP:
+            for dtype_id, (xd, vd) in STEP_DTYPES.items():
+                for case in UNIPC_CASES:
+                    yield (f"{name}-{dtype_id}-{case.id}",
+                           KernelCase(reg.op, reg.arch, xd, vd, unipc=case))
         else:  # an op added to flowseam.ops without a conformance check: the test says so
             yield name, KernelCase(reg.op, reg.arch)
 
@@ -243,6 +280,65 @@ PROMPT = "a red ball rolling on the grass"
 def card_cases(choice: Any) -> Iterator[tuple[str, str]]:
     for card in CARDS:
         yield card, card
+
+
+#: The solvers a checkpoint's scheduler may name, per card: (variant id, overrides of the tiny
+#: checkpoint's ``scheduler_config.json``). The tiny checkpoints ship FlowMatchEuler (Wan:
+#: shift 3; FLUX: dynamic shifting).
+UNIPC_FLOW = {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
+              "use_flow_sigmas": True, "flow_shift": 3.0, "solver_order": 2}
+SOLVER_VARIANTS = {
+    "wan2.1-t2v": (("unipc_order2", UNIPC_FLOW), ("unipc_order3_bh1",
+                   {**UNIPC_FLOW, "solver_order": 3, "solver_type": "bh1",
+                    "final_sigmas_type": "sigma_min"}),
+                   ("stochastic", {"stochastic_sampling": True})),
+    "wan2.1-i2v": (("unipc_order2", UNIPC_FLOW),),
+    "flux.1-t2i": (("static_shift", {"use_dynamic_shifting": False, "shift": 2.0}),
+                   ("stochastic", {"stochastic_sampling": True})),
+}
+
+
+def solver_cases(choice: Any) -> Iterator[tuple[str, tuple[str, str, dict]]]:
+    """Every (card, solver variant) of :data:`SOLVER_VARIANTS`."""
+    for card in CARDS:
+        for variant, overrides in SOLVER_VARIANTS.get(card, ()):
+            yield f"{card}-{variant}", (card, variant, overrides)
+
+
+def diffusers_output(checkpoint: Any, card: str, overrides: dict, request: GenerationRequest,
+                     pipelines: dict) -> np.ndarray:
+    """diffusers' own pipeline on ``checkpoint`` with its scheduler replaced as
+    ``Class.from_config(pipe.scheduler.config, **overrides)`` (what
+    ``ModelInstance.with_scheduler`` mirrors), for ``request``: frames ``(B, F, H, W, 3)``.
+
+    Stochastic sampling draws its noise from the request's per-sample generators (diffusers'
+    ``scheduler.step(..., generator=...)``), as flowseam does."""
+    import diffusers
+
+    if card not in pipelines:
+        pipelines[card] = diffusers.DiffusionPipeline.from_pretrained(checkpoint)
+        pipelines[card].set_progress_bar_config(disable=True)
+    pipe = pipelines[card]
+    original = pipe.scheduler
+    cls = getattr(diffusers, overrides.get("_class_name", type(original).__name__))
+    pipe.scheduler = cls.from_config(original.config, **{k: v for k, v in overrides.items()
+                                                          if k != "_class_name"})
+    p = request.params
+    generators = [torch.Generator().manual_seed(s) for s in request.sample_seeds(p)]
+    if pipe.scheduler.config.get("stochastic_sampling"):
+        pipe.scheduler.step = functools.partial(pipe.scheduler.step, generator=generators)
+    args = dict(prompt=request.prompts, num_inference_steps=p.num_steps, height=p.height,
+                width=p.width, guidance_scale=p.guidance_scale, generator=generators,
+                output_type="np")
+    try:
+        if card.startswith("flux"):
+            return pipe(**args).images[:, None]
+        args.update(num_frames=p.num_frames, negative_prompt=p.negative_prompt)
+        if request.image is not None:
+            args["image"] = request.image
+        return pipe(**args).frames
+    finally:
+        pipe.scheduler = original
 
 
 def component_cases(choice: Any) -> Iterator[tuple[str, tuple[str, Any]]]:

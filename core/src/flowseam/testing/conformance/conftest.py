@@ -87,6 +87,12 @@ def conformance_runs(tiny_checkpoints: dict[str, Path], reference_platform: Any)
     return Runs(tiny_checkpoints, reference_platform)
 
 
+@pytest.fixture(scope="session")
+def diffusers_pipelines() -> dict:
+    """diffusers pipelines of the tiny checkpoints, loaded once (card → pipeline)."""
+    return {}
+
+
 @pytest.fixture
 def expectations(flowseam_platform: Any, request: pytest.FixtureRequest) -> Any:
     """The backend's :class:`~flowseam.testing.conformance.expectations.Expectations`."""

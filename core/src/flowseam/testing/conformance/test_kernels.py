@@ -80,6 +80,62 @@ def _check_flow_sde_step(kernel, case: KernelCase, device: str) -> None:
     assert_close(out.log_prob, of_sample.log_prob, case.compute_dtype, "log_prob")
 
 
+def _check_flow_stochastic_step(kernel, case: KernelCase, device: str) -> None:
+    s = case.step
+    x, v, noise = _step_inputs(case, device)
+    out = kernel(x, v, s.sigma, s.sigma_next, noise=noise)
+    assert torch.is_tensor(out) and out.shape == x.shape and out.dtype == x.dtype, \
+        f"flow_stochastic_step returned {getattr(out, 'dtype', type(out))}; the contract is x's " \
+        f"{x.dtype}{tuple(x.shape)}"
+    want = reference.flow_stochastic_step(to_f64(x), to_f64(v), s.sigma, s.sigma_next,
+                                          noise=to_f64(noise))
+    assert_close(out, want, x.dtype, "flow_stochastic_step")
+    # without noise: drawn from the generator, standard normal in the compute dtype
+    drawn = kernel(x, v, s.sigma, s.sigma_next, generator=torch.Generator(device).manual_seed(5))
+    same = torch.randn(x.shape, generator=torch.Generator(device).manual_seed(5),
+                       dtype=getattr(torch, case.compute_dtype), device=device)
+    assert_close(drawn, kernel(x, v, s.sigma, s.sigma_next, noise=same), x.dtype,
+                 "flow_stochastic_step with generator= vs the same noise passed in")
+
+
+def _unipc_inputs(case: KernelCase, device: str):
+    """x, v and a state whose history has random data predictions (compute dtype) and a
+    random last sample (x's dtype), as the numpy oracle's and the kernel's state."""
+    u = case.unipc
+    x = randn(u.shape, 1, case.x_dtype, device)
+    v = randn(u.shape, 2, case.v_dtype, device)
+    outputs = tuple(randn(u.shape, 10 + k, case.compute_dtype, device)
+                    for k in range(len(u.history)))
+    last = randn(u.shape, 9, case.x_dtype, device) if u.history else None
+    state = ops.UniPCState(u.history, outputs, last, u.last_order)
+    ref_state = ops.UniPCState(u.history, tuple(to_f64(o) for o in outputs),
+                               None if last is None else to_f64(last), u.last_order)
+    return x, v, state, ref_state
+
+
+def _check_unipc_step(kernel, case: KernelCase, device: str) -> None:
+    u = case.unipc
+    x, v, state, ref_state = _unipc_inputs(case, device)
+    kw = dict(order=u.order, solver_type=u.solver_type, corrector=u.corrector)
+    out = kernel(x, v, u.sigma, u.sigma_next, state, **kw)
+    for name in ("sample", "state"):
+        assert hasattr(out, name), f"unipc_step's result has no {name!r} (see UniPCStepOutput)"
+    assert out.sample.shape == x.shape and out.sample.dtype == x.dtype, \
+        f"sample is {out.sample.dtype}{tuple(out.sample.shape)}; the contract is x's " \
+        f"{x.dtype}{tuple(x.shape)}"
+    want = reference.unipc_step(to_f64(x), to_f64(v), u.sigma, u.sigma_next, ref_state, **kw)
+    assert_close(out.sample, want.sample, x.dtype, "unipc_step sample")
+    got, ref = out.state, want.state
+    assert tuple(got.sigmas) == tuple(ref.sigmas) and got.last_order == ref.last_order, \
+        f"state sigmas/order {tuple(got.sigmas)}/{got.last_order}, expected " \
+        f"{tuple(ref.sigmas)}/{ref.last_order}"
+    assert len(got.outputs) == len(ref.outputs), \
+        f"the state keeps {len(got.outputs)} outputs, expected {len(ref.outputs)} (the order)"
+    for k, (g, w) in enumerate(zip(got.outputs, ref.outputs)):
+        assert_close(g, w, case.compute_dtype, f"state.outputs[{k}]")
+    assert_close(got.last_sample, ref.last_sample, x.dtype, "state.last_sample (corrected x)")
+
+
 def _attention_inputs(case: KernelCase, device: str):
     a = case.attention
     dtype = case.x_dtype
@@ -148,6 +204,8 @@ def _check_flow_renoise(kernel, case: KernelCase, device: str) -> None:
 _CHECKS = {
     ops.FLOW_MATCH_STEP: _check_flow_match_step,
     ops.FLOW_SDE_STEP: _check_flow_sde_step,
+    ops.FLOW_STOCHASTIC_STEP: _check_flow_stochastic_step,
+    ops.UNIPC_STEP: _check_unipc_step,
     ops.ATTENTION: _check_attention,
     ops.CACHED_ATTENTION: _check_cached_attention,
     ops.FLOW_RENOISE: _check_flow_renoise,
@@ -166,7 +224,9 @@ def test_kernel_matches_oracle(flowseam_platform, flowseam_case, expectations):
 @pytest.mark.flowseam_cases(cases=registration_cases, empty="it registers no kernel")
 def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectations):
     """The contract's bad arguments raise ValueError (shape mismatch, sigmas out of order or out
-    of [0, 1], sigma == 1 without sigma_max, sigma_next == sigma for the SDE step)."""
+    of [0, 1], a per-sample ``(B,)`` sigma, sigma == 1 without sigma_max and sigma_next == sigma
+    for the SDE step; for UniPC also sigma == 1, an order its history cannot support, order > 1
+    at sigma_next == 0, and a state that is not a UniPCState)."""
     kernel = pinned_kernel(flowseam_platform, flowseam_case)
     device = expectations.torch_device
     if flowseam_case.op == ops.ATTENTION:
@@ -194,15 +254,30 @@ def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectat
                 pytest.fail(f"flow_renoise accepted bad arguments ({what})")
         return
     x, v = randn((2, 8), 1, "float32", device), randn((2, 8), 2, "float32", device)
+    per_sample = torch.tensor([0.5, 0.6], device=device)
     bad = [((x, randn((2, 9), 3, "float32", device), 0.5, 0.4), "v's shape differs from x's"),
            ((x, v, 1.5, 0.4), "sigma > 1"),
-           ((x, v, 0.4, 0.5), "sigma_next > sigma")]
+           ((x, v, 0.4, 0.5), "sigma_next > sigma"),
+           ((x, v, per_sample, 0.4), "a (B,) sigma")]
     if flowseam_case.op == ops.FLOW_SDE_STEP:
         bad += [((x, v, 1.0, 0.9), "sigma == 1 without sigma_max"),
                 ((x, v, 0.5, 0.5), "sigma_next == sigma")]
+    kw: dict = {}
+    if flowseam_case.op == ops.UNIPC_STEP:
+        empty, kw = ops.UniPCState.empty(), {"order": 1}
+        history = ops.UniPCState((0.8,), (randn((2, 8), 4, "float32", device),), x, 1)
+        bad = [(args + (empty,), what) for args, what in bad]
+        bad += [((x, v, 1.0, 0.9, empty), "sigma == 1 (infinite log-SNR)"),
+                ((x, v, 0.5, 0.4, None), "no UniPCState")]
+        for args, order, what in (((x, v, 0.5, 0.4, empty), 2, "order 2 without history"),
+                                  ((x, v, 0.5, 0.0, history), 2, "order 2 to sigma 0"),
+                                  ((x, v, 0.9, 0.4, history), 1, "history below sigma")):
+            with pytest.raises(ValueError):
+                kernel(*args, order=order)
+                pytest.fail(f"unipc_step accepted bad arguments ({what})")
     for args, what in bad:
         with pytest.raises(ValueError):
-            kernel(*args)
+            kernel(*args, **kw)
             pytest.fail(f"{flowseam_case.op} accepted bad arguments ({what})")
 
 

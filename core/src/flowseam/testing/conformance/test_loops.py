@@ -1,13 +1,21 @@
-"""The loops end to end on tiny checkpoints of every card: serve parity with cpu (C1) and the
-log-prob of a real SDE rollout recomputed with the pinned kernel (C2)."""
+"""The loops end to end on tiny checkpoints of every card: serve parity with cpu (C1), the
+solvers a checkpoint's scheduler may name against diffusers' own pipelines, and the log-prob of a
+real SDE rollout recomputed with the pinned kernel (C2)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import flowseam
 from flowseam import ops
-from flowseam.testing.conformance._support import assert_close, card_cases, request_for
+from flowseam.testing.conformance._support import (
+    assert_close,
+    card_cases,
+    diffusers_output,
+    request_for,
+    solver_cases,
+)
 
 #: C2: the PPO ratio exp(recomputed - rollout log-prob) must be 1 within this.
 RATIO_TOL = 1e-6
@@ -35,8 +43,6 @@ def test_rollout_log_prob_recomputes(flowseam_platform, flowseam_case, conforman
     cache of the earlier chunks) and the log-prob with ``platform.kernels.pin(record.impl_id)``
     (from ``prev_sample=record.next_latents``) gives the rollout's log-prob: PPO ratio 1 within
     1e-6 on every step, sigma == 1 and the last step to 0 included."""
-    import flowseam
-
     card = flowseam_case
     platform = flowseam_platform
     model = conformance_runs.backend(platform, card).model
@@ -66,3 +72,24 @@ def test_rollout_log_prob_recomputes(flowseam_platform, flowseam_case, conforman
             f"{card} step {rec.index} (sigma {rec.sigma:.4f} → {rec.sigma_next:.4f}): " \
             f"recomputed log-prob {out.log_prob.tolist()} vs rollout {rec.log_prob.tolist()}, " \
             f"max |ratio - 1| = {worst:.3g} > {RATIO_TOL}"
+
+
+@pytest.mark.flowseam_cases(cases=solver_cases)
+def test_checkpoint_solver_matches_diffusers(flowseam_platform, flowseam_case, conformance_runs,
+                                             tiny_checkpoints, diffusers_pipelines):
+    """The solver a checkpoint's scheduler names (UniPC in Wan2.1-Diffusers' configuration and
+    at order 3 with bh1, FlowMatchEuler's stochastic sampling, a static shift on FLUX) runs
+    through the platform's kernel for its op and gives diffusers' own pipeline output on the same
+    checkpoint, seed and request, within the tolerance of the DiT's dtype (C1 against the peer).
+    Ops the backend leaves out run as the cpu fallback, and the result says which kernel ran."""
+    card, variant, overrides = flowseam_case
+    model = conformance_runs.backend(flowseam_platform, card).model.with_scheduler(overrides)
+    request = request_for(card)
+    result = flowseam.run_loop(model, request)
+    op = model.solver.op
+    assert result.kernels == {op: flowseam_platform.kernels.get(op).impl_id}, \
+        f"the loop ran {result.kernels}, not the platform's {op}"
+    assert result.solver.startswith(f"solver {op} ") and "(override)" in result.solver
+    want = diffusers_output(tiny_checkpoints[card], card, overrides, request, diffusers_pipelines)
+    dtype = model.component_dtype(model.DIT)
+    assert_close(result.frames, want, dtype, f"{card} {variant}: frames vs diffusers")
