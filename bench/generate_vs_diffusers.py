@@ -6,8 +6,11 @@ at 64x64; 10 steps; CFG on, guidance 5.0), random weights written by
 warm-up run each, they alternate ``--repeats`` times. Reports the median seconds of each, the
 ratio flowseam/diffusers (goal <= 1.0), the max-abs difference of their outputs, and the peak
 resident-memory growth of each run (sampled from /proc/self/statm every 2 ms by a thread).
+``--scheduler unipc`` writes the checkpoint with UniPC in the flow configuration that the real
+Wan2.1-Diffusers checkpoints ship (both sides then run it: flowseam's ``unipc_step`` op, diffusers'
+``UniPCMultistepScheduler``); the default is FlowMatchEuler.
 
-Run: .venv/bin/python bench/generate_vs_diffusers.py [--repeats 5] [--backend cpu]
+Run: .venv/bin/python bench/generate_vs_diffusers.py [--repeats 5] [--backend cpu] [--scheduler unipc]
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--scheduler", choices=("euler", "unipc"), default="euler")
     args = ap.parse_args()
+    scheduler_class = {"euler": "FlowMatchEulerDiscreteScheduler",
+                       "unipc": "UniPCMultistepScheduler"}[args.scheduler]
 
     import diffusers
 
@@ -67,13 +73,14 @@ def main() -> None:
 
     diffusers.utils.logging.set_verbosity_error()
     root = Path(tempfile.mkdtemp(prefix="fs-bench-"))
-    ckpt = write_tiny_checkpoint("wan2.1-t2v", root / "wan", transformer=dict(
-        num_layers=4, num_attention_heads=4, attention_head_dim=32, ffn_dim=256))
+    ckpt = write_tiny_checkpoint("wan2.1-t2v", root / "wan", scheduler_class=scheduler_class,
+                                 transformer=dict(num_layers=4, num_attention_heads=4,
+                                                  attention_head_dim=32, ffn_dim=256))
     H = W = 64
     F = 17
     prompt, negative = "a red ball bouncing on a wooden floor", "blurry, low quality"
 
-    model = flowseam.load(ckpt, platform=flowseam.Platform(args.backend))
+    model = flowseam.load(ckpt, platform=flowseam.Platform(args.backend), quiet=True)
     params = flowseam.DiffusionParams(num_steps=args.steps, guidance_scale=5.0, height=H, width=W,
                                       num_frames=F, seed=0, negative_prompt=negative)
     pipe = diffusers.WanPipeline.from_pretrained(ckpt)
@@ -101,7 +108,8 @@ def main() -> None:
             peaks[name].append(mem.growth)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"Wan2.1 T2V, 4 layers x width 128, {F} frames {H}x{W}, {args.steps} steps, CFG 5.0; "
-          f"backend {args.backend}; torch threads {torch.get_num_threads()}")
+          f"{scheduler_class}; backend {args.backend}; torch threads {torch.get_num_threads()}")
+    print(f"  {model.solver.describe()}")
     for name in ("flowseam", "diffusers"):
         print(f"  {name:<10} median {med[name]:.3f} s  (runs: "
               f"{', '.join(f'{t:.3f}' for t in times[name])}); peak RSS growth "
