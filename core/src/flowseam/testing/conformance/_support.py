@@ -230,6 +230,8 @@ def kernel_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
         elif reg.op in (ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP, ops.FLOW_STOCHASTIC_STEP):
             for dtype_id, (xd, vd) in STEP_DTYPES.items():
                 for step in STEPS:
+                    if step.noise_level == 0.0 and reg.op != ops.FLOW_SDE_STEP:
+                        continue  # a noise level means nothing to the other steps
                     yield (f"{name}-{dtype_id}-{step.id}",
                            KernelCase(reg.op, reg.arch, xd, vd, step=step))
         elif reg.op == ops.UNIPC_STEP:
