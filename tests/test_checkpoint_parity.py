@@ -447,6 +447,14 @@ def test_load_line_and_provenance_name_the_solver_and_sources(checkpoints, cpu, 
         solver = flowseam.load(bare, platform=cpu, quiet=True,
                                ignore_scheduler_options=["_class_name"]).solver
     assert solver.scheduler_class == "UniPCMultistepScheduler"
+    # no scheduler folder at all: the card's scheduler (Wan: the Wan2.1-Diffusers UniPC), said so
+    (bare / "scheduler" / "scheduler_config.json").unlink()
+    (bare / "scheduler").rmdir()
+    (bare / "model_index.json").write_text(json.dumps({**index, "scheduler": [None, None]}))
+    solver = flowseam.load(bare, platform=cpu, quiet=True).solver
+    assert (solver.scheduler_class, solver.source("_class_name")) == ("UniPCMultistepScheduler",
+                                                                      "card default")
+    assert solver.config["flow_shift"] == 3.0 and solver.source("flow_shift") == "card default"
 
 
 def test_wan22_layouts_are_served_or_refused_naming_the_component(checkpoints, cpu, tmp_path):
