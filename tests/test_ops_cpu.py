@@ -208,7 +208,7 @@ def test_sde_step_at_noise_level_zero_is_the_euler_step_with_log_prob_zero(cpu, 
     assert not ref.log_prob.any()
 
 
-@pytest.mark.parametrize("op", [ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP, ops.FLOW_STOCHASTIC_STEP])
+@pytest.mark.parametrize("op", [ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP])
 def test_per_sample_sigma_is_refused_with_the_reason(cpu, op):
     x = torch.zeros(2, 4)
     with pytest.raises(ValueError, match=r"sigma has shape \(2,\).*one scalar sigma.*group the rows"):
@@ -311,9 +311,10 @@ def test_unipc_bh1_to_sigma_zero_is_the_data_prediction(cpu):
         torch.testing.assert_close(out.sample, x - 0.1 * v, rtol=0, atol=1e-6)
 
 
-def test_flow_stochastic_step_matches_diffusers_stochastic_sampling(cpu):
+def test_stochastic_sampling_is_euler_to_zero_then_renoise_as_diffusers(cpu):
     """diffusers' FlowMatchEulerDiscreteScheduler(stochastic_sampling=True).step with a list of
-    per-sample generators equals the op with the noise drawn the same way (flowseam.noise)."""
+    per-sample generators equals flow_match_step to sigma 0 then flow_renoise to sigma_next (how
+    the loop runs it), with the noise drawn the same way (flowseam.noise)."""
     import diffusers
 
     from flowseam.noise import noise_like
@@ -325,7 +326,8 @@ def test_flow_stochastic_step_matches_diffusers_stochastic_sampling(cpu):
     theirs = sched.step(v, sched.timesteps[1], x, generator=gens).prev_sample
     sigma, sigma_next = sched.sigmas[1].item(), sched.sigmas[2].item()
     noise = noise_like(x, [torch.Generator().manual_seed(s) for s in (1, 2)])
-    ours = cpu.kernels.get(ops.FLOW_STOCHASTIC_STEP)(x, v, sigma, sigma_next, noise=noise)
+    x0 = cpu.kernels.get(ops.FLOW_MATCH_STEP)(x, v, sigma, 0.0)
+    ours = cpu.kernels.get(ops.FLOW_RENOISE)(x0, noise, sigma_next)
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=RTOL, atol=ATOL)
     euler = cpu.kernels.get(ops.FLOW_MATCH_STEP)(x, v, sigma, sigma_next)
     assert (ours - euler).abs().max() > 1e-2  # the re-noising is not the ODE step

@@ -25,12 +25,13 @@ Which solver runs (picked once per loop run, before the first step, from
 :attr:`SolverConfig.op`):
 
 =================================  ==========================  =================================
-scheduler class                    op                          implemented options
+scheduler class                    ops                         implemented options
 =================================  ==========================  =================================
 ``FlowMatchEulerDiscreteScheduler`` ``flow_match_step``         ``shift``, ``use_dynamic_shifting``
-                                   (``flow_stochastic_step``   (+ ``base_shift``, ``max_shift``,
-                                   with                        ``base_image_seq_len``,
-                                   ``stochastic_sampling``)    ``max_image_seq_len``),
+                                   (with                       (+ ``base_shift``, ``max_shift``,
+                                   ``stochastic_sampling``:    ``base_image_seq_len``,
+                                   ``flow_match_step`` to 0,   ``max_image_seq_len``),
+                                   then ``flow_renoise``)
                                                                ``shift_terminal``,
                                                                ``use_karras_sigmas`` /
                                                                ``use_exponential_sigmas`` /
@@ -168,11 +169,20 @@ class SolverConfig:
 
     # -- what runs ------------------------------------------------------------------------
     @property
-    def op(self) -> str:
-        """The solver op the loop gets from ``platform.kernels`` for serving."""
+    def ops(self) -> tuple[str, ...]:
+        """The solver ops the loop gets from ``platform.kernels`` for serving: ``unipc_step``;
+        ``flow_match_step``; or, for stochastic sampling, ``flow_match_step`` to sigma 0 (the
+        data prediction) then ``flow_renoise`` to the next sigma."""
         if self.scheduler_class == UNIPC:
-            return ops.UNIPC_STEP
-        return ops.FLOW_STOCHASTIC_STEP if self.config.get("stochastic_sampling") else ops.FLOW_MATCH_STEP
+            return (ops.UNIPC_STEP,)
+        if self.config.get("stochastic_sampling"):
+            return (ops.FLOW_MATCH_STEP, ops.FLOW_RENOISE)
+        return (ops.FLOW_MATCH_STEP,)
+
+    @property
+    def op(self) -> str:
+        """The solver as one name: the ops joined by ``+``."""
+        return "+".join(self.ops)
 
     @property
     def num_train_timesteps(self) -> int:
@@ -348,7 +358,8 @@ def resolve_solver(raw: Mapping[str, Any] | None, *, card: str, default_class: s
     else:
         raise FlowseamError(
             f"{file}: _class_name={cls_name!r} is not implemented; flowseam runs "
-            f"{EULER} (flow_match_step, flow_stochastic_step) and {UNIPC} (unipc_step). To run "
+            f"{EULER} (flow_match_step, with flow_renoise for stochastic sampling) and {UNIPC} "
+            "(unipc_step). To run "
             f"{card}'s default {default_class} instead, pass ignore_scheduler_options="
             "['_class_name'] (CLI: --ignore-scheduler-option _class_name)")
     cls = getattr(diffusers, cls_name)

@@ -87,7 +87,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
         frames=frames, latents=latents, params=params, seeds=seeds, records=records, cond=cond,
         seconds={"encode": t_encoded - t_start, "denoise": t_denoised - t_encoded,
                  "decode": t_end - t_denoised, "total": t_end - t_start},
-        kernels={solve.op: solve.impl_id}, solver=solve.describe(), experts=experts)
+        kernels=solve.impl_ids, solver=solve.describe(), experts=experts)
 
 
 def record_velocity(model: "ModelInstance", result: LoopResult, record: BehaviorRecord,

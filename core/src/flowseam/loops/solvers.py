@@ -4,11 +4,12 @@ Shared by every loop module (it sits below them, like :mod:`.records`). A loop b
 :class:`SolverSteps` per run and calls it once per step with the velocity; it never looks a kernel
 up again. What runs:
 
-* **serving** (and ROLLOUT without ``sde_rollout``): the op the checkpoint's scheduler names
-  (:attr:`flowseam.schedulers.SolverConfig.op`): ``flow_match_step``, ``flow_stochastic_step``
-  (noise from the request's per-sample generators) or ``unipc_step`` (its history carried in an
-  explicit :class:`flowseam.ops.UniPCState`, order and corrector per step as diffusers chooses
-  them), on the checkpoint's sigma schedule;
+* **serving** (and ROLLOUT without ``sde_rollout``): the ops the checkpoint's scheduler names
+  (:attr:`flowseam.schedulers.SolverConfig.ops`): ``flow_match_step``; for FlowMatchEuler's
+  stochastic sampling ``flow_match_step`` to sigma 0 (the data prediction) and ``flow_renoise``
+  to the next sigma with noise from the request's per-sample generators; or ``unipc_step`` (its
+  history carried in an explicit :class:`flowseam.ops.UniPCState`, order and corrector per step
+  as diffusers chooses them); on the checkpoint's sigma schedule;
 * **an SDE rollout** (``sde_rollout=True``): Flow-GRPO's first-order steps on the *same* sigma
   schedule and DiT timesteps: ``flow_sde_step`` (with its log-prob) inside the ``sde_window``,
   the probability-flow ODE's Euler step ``flow_match_step`` outside it, whatever solver the
@@ -63,13 +64,15 @@ class SolverSteps:
         self.generators = generators
         self.num_steps = len(schedule.sigmas) - 1
         if params.sde_rollout:
-            self.op = ops.FLOW_SDE_STEP
+            self.ops: tuple[str, ...] = (ops.FLOW_SDE_STEP,)
             self.sigmas = schedule.first_order_sigmas()
             self.ode = kernels.get(ops.FLOW_MATCH_STEP)  # outside the sde_window
         else:
-            self.op = self.solver.op
+            self.ops = self.solver.ops
             self.sigmas = list(schedule.sigmas)
-        self.kernel = kernels.get(self.op)
+        self.op = "+".join(self.ops)
+        self.kernels = {op: kernels.get(op) for op in self.ops}
+        self.kernel = self.kernels[self.ops[0]]
         self.window = range(*params.sde_window) if params.sde_window is not None else None
         #: Flow-GRPO's sigma_max: the SDE step's std at sigma == 1 uses the next sigma
         self.sigma_max = self.sigmas[1] if len(self.sigmas) > 2 else None
@@ -77,7 +80,13 @@ class SolverSteps:
 
     @property
     def impl_id(self) -> str:
-        return self.kernel.impl_id
+        """The implementation ids of the ops that step (``+``-joined when there are two)."""
+        return "+".join(k.impl_id for k in self.kernels.values())
+
+    @property
+    def impl_ids(self) -> dict[str, str]:
+        """op → the implementation id of its kernel (``LoopResult.kernels``)."""
+        return {op: k.impl_id for op, k in self.kernels.items()}
 
     def describe(self) -> str:
         """One line: the op and kernel that ran and the schedule's settings and sources."""
@@ -85,8 +94,8 @@ class SolverSteps:
             how = ("Flow-GRPO SDE rollout, first-order"
                    + (f", SDE steps {self.window.start}-{self.window.stop - 1}" if self.window else ""))
             settings = self.solver.describe().split(": ", 1)[-1]
-            return (f"{self.op} [{self.impl_id}] ({how}) on the {self.solver.scheduler_class} "
-                    f"schedule: {settings}")
+            return (f"solver {self.op} [{self.impl_id}] ({how}) on the "
+                    f"{self.solver.scheduler_class} schedule: {settings}")
         return self.solver.describe().replace(f"solver {self.op} ", f"solver {self.op} "
                                               f"[{self.impl_id}] ", 1)
 
@@ -109,10 +118,11 @@ class SolverSteps:
                               corrector=self.solver.unipc_corrector(i))
             self.state = out.state
             return Step(out.sample, None, self.impl_id, sigma, sigma_next)
-        if self.op == ops.FLOW_STOCHASTIC_STEP:
+        if ops.FLOW_RENOISE in self.kernels:  # stochastic sampling: predict x0, re-noise it
+            renoise = self.kernels[ops.FLOW_RENOISE]
+            x0 = self.kernel(latents, velocity, sigma, 0.0)
             noise = noise_like(latents, self.generators)
-            return Step(self.kernel(latents, velocity, sigma, sigma_next, noise=noise), None,
-                        self.impl_id, sigma, sigma_next)
+            return Step(renoise(x0, noise, sigma_next), None, renoise.impl_id, sigma, sigma_next)
         return Step(self.kernel(latents, velocity, sigma, sigma_next), None, self.impl_id,
                     sigma, sigma_next)
 

@@ -44,16 +44,6 @@ noise_level=0.7, sigma_max=None, generator=None) -> SDEStepOutput``
     BehaviorRecord (one sigma for the whole batch), so one scalar sigma per call keeps every
     backend's kernel a single fused pass; group rows by sigma to recompute such a batch.
 
-``FLOW_STOCHASTIC_STEP``: ``step(x, v, sigma, sigma_next, *, noise=None, generator=None)``
-    The stochastic sampling step of diffusers' ``FlowMatchEulerDiscreteScheduler`` with
-    ``stochastic_sampling=True``: predict the data, then re-noise it to ``sigma_next``::
-
-        x0     = x - sigma * v
-        sample = (1 - sigma_next) * x0 + sigma_next * noise
-
-    ``noise``: standard normal, x's shape, drawn from ``generator`` (x's compute dtype and
-    device) when not given. Returns x's shape and dtype; the arithmetic is float32 or wider.
-
 ``UNIPC_STEP``: ``step(x, v, sigma, sigma_next, state, *, order, solver_type="bh2",
 corrector=True) -> UniPCStepOutput(sample, state)``
     One step of UniPC (Zhao et al. 2023, "UniPC: A Unified Predictor-Corrector Framework for
@@ -135,7 +125,9 @@ corrector=True) -> UniPCStepOutput(sample, state)``
     normal ``noise`` (the flow-matching forward process; diffusers
     ``FlowMatchEulerDiscreteScheduler.scale_noise``, Self-Forcing's ``scheduler.add_noise``).
     The few-step causal loop predicts ``x0`` with ``flow_match_step(x, v, sigma, 0)`` and
-    re-noises it to the next sigma of the chunk's schedule. ``x0``, ``noise``: same shape; the
+    re-noises it to the next sigma of the chunk's schedule; FlowMatchEuler's
+    ``stochastic_sampling`` is the same pair of steps (diffusers'
+    ``x0 = x - sigma * v; (1 - sigma_next) * x0 + sigma_next * noise``). ``x0``, ``noise``: same shape; the
     result has ``x0``'s dtype, the arithmetic is float32 or wider; ``sigma`` in [0, 1].
 
 Bad arguments (shape mismatch, sigma outside [0, 1], sigma_next > sigma, sigma == 1 without
@@ -149,19 +141,18 @@ from typing import Any, NamedTuple
 
 FLOW_MATCH_STEP = "flow_match_step"
 FLOW_SDE_STEP = "flow_sde_step"
-FLOW_STOCHASTIC_STEP = "flow_stochastic_step"
 UNIPC_STEP = "unipc_step"
 ATTENTION = "attention"
 CACHED_ATTENTION = "cached_attention"
 FLOW_RENOISE = "flow_renoise"
 
 #: Every op flowseam defines a contract for. Plugins may register only these.
-ALL_OPS = (FLOW_MATCH_STEP, FLOW_SDE_STEP, FLOW_STOCHASTIC_STEP, UNIPC_STEP, ATTENTION,
-           CACHED_ATTENTION, FLOW_RENOISE)
+ALL_OPS = (FLOW_MATCH_STEP, FLOW_SDE_STEP, UNIPC_STEP, ATTENTION, CACHED_ATTENTION, FLOW_RENOISE)
 
-#: The solver ops: each advances latents from ``sigma`` to ``sigma_next``. A loop picks one of
-#: them once, before the first step, from the model's resolved solver (flowseam.schedulers).
-SOLVER_OPS = (FLOW_MATCH_STEP, FLOW_STOCHASTIC_STEP, UNIPC_STEP, FLOW_SDE_STEP)
+#: The solver ops: a loop picks its steps from them once, before the first step, from the
+#: model's resolved solver (flowseam.schedulers); stochastic sampling is ``FLOW_MATCH_STEP`` to
+#: sigma 0 followed by ``FLOW_RENOISE`` to the next sigma.
+SOLVER_OPS = (FLOW_MATCH_STEP, UNIPC_STEP, FLOW_SDE_STEP, FLOW_RENOISE)
 
 #: The highest UniPC order flowseam implements.
 UNIPC_MAX_ORDER = 3
@@ -454,7 +445,7 @@ def sde_std_dev_t(sigma: float, noise_level: float, sigma_max: float | None) -> 
 
 __all__ = [
     "ALL_OPS", "ATTENTION", "CACHED_ATTENTION", "FLOW_MATCH_STEP", "FLOW_RENOISE", "FLOW_SDE_STEP",
-    "FLOW_STOCHASTIC_STEP", "SDEStepOutput", "SOLVER_OPS", "UNIPC_MAX_ORDER", "UNIPC_STEP",
+    "SDEStepOutput", "SOLVER_OPS", "UNIPC_MAX_ORDER", "UNIPC_STEP",
     "UniPCCoefficients", "UniPCState", "UniPCStepOutput", "as_sigma", "check_attention",
     "check_cached_attention", "check_renoise", "check_sigmas", "check_step_tensors", "check_unipc",
     "sde_std_dev_t", "unipc_coefficients", "unipc_order",

@@ -98,22 +98,6 @@ def deterministic_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma
                          std=torch.tensor(0.0, dtype=ct, device=x.device))
 
 
-def flow_stochastic_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float, *,
-                         noise: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None) -> torch.Tensor:
-    """``(1 - sigma_next) * (x - sigma * v) + sigma_next * noise`` (diffusers'
-    ``FlowMatchEulerDiscreteScheduler.step`` with ``stochastic_sampling=True``); x, v, noise:
-    (B, ...); noise drawn from ``generator`` when not given; returns x's dtype."""
-    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
-    check_step_tensors(x, v, noise)
-    check_sigmas(sigma, sigma_next, sde=False)
-    ct = compute_dtype(x)
-    if noise is None:
-        noise = torch.randn(x.shape, generator=generator, dtype=ct, device=x.device)
-    x0 = x.to(ct) - sigma * v.to(ct)
-    return ((1.0 - sigma_next) * x0 + sigma_next * noise.to(ct)).to(x.dtype)
-
-
 def _unipc_update(coef, base: torch.Tensor, m0: torch.Tensor, older: list[torch.Tensor],
                   m: torch.Tensor | None) -> torch.Tensor:
     out = base * coef.base + m0 * coef.m0

@@ -80,19 +80,6 @@ def flow_sde_step(x, v, sigma: float, sigma_next: float, *, noise=None, prev_sam
     return SDEStepOutput(sample=sample, log_prob=log_prob, mean=mean, std=np.float64(std))
 
 
-def flow_stochastic_step(x, v, sigma: float, sigma_next: float, *, noise=None,
-                         generator: np.random.Generator | None = None) -> np.ndarray:
-    """``(1 - sigma_next) * (x - sigma * v) + sigma_next * noise`` in float64 (diffusers'
-    stochastic sampling). ``generator`` is a ``numpy.random.Generator`` here."""
-    sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
-    check_step_tensors(x, v, noise)
-    check_sigmas(sigma, sigma_next, sde=False)
-    x, v = _f64(x), _f64(v)
-    if noise is None:
-        noise = (generator or np.random.default_rng()).standard_normal(x.shape)
-    return (1.0 - sigma_next) * (x - sigma * v) + sigma_next * _f64(noise)
-
-
 def _lambda(s: float) -> float:
     """UniPC's log-SNR of flow sigmas: log(alpha) - log(sigma) with alpha = 1 - sigma."""
     return np.inf if s == 0 else float(np.log(1.0 - s) - np.log(s))

@@ -21,8 +21,7 @@ What accel provides, and what it leaves to cpu on purpose:
   ``torch.compile`` can run (a supported Python, and a C++ compiler for the CPU or triton for CUDA);
 * ``flow_match_step`` at arch ``generic`` (found by walking the arch chain) and ``flow_sde_step`` at
   the most specific rung of the host (a direct hit); no ``attention`` kernel (cpu's is used),
-  and no ``unipc_step`` or ``flow_stochastic_step``: those solvers fall back to cpu's eager
-  kernels (a few elementwise passes per step; ``platform.explain()`` shows the fallback);
+  and no ``unipc_step``: that solver falls back to cpu's eager kernel (a few elementwise passes per step; ``platform.explain()`` shows the fallback);
 * ``dit`` and ``vae`` components; no ``text_encoder`` (it falls back to cpu, and
   ``platform.components`` / ``platform.explain()`` say so).
 

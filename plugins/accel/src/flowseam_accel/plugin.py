@@ -51,7 +51,7 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
     # it; flow_sde_step is registered at the most specific rung of this host, a direct hit.
     # (inductor generates the SIMD code of the host, so either registration is honest.)
     # accel registers no attention kernel, neither plain nor cached (the causal loop's), and no
-    # unipc_step / flow_stochastic_step: those ops fall back to cpu's (eager torch on accel's
+    # unipc_step: those ops fall back to cpu's (eager torch on accel's
     # tensors), visibly in platform.explain(). It does fuse the causal loop's re-noising step
     # (generic rung).
     return [

@@ -28,7 +28,6 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
     return [
         KernelRegistration(ops.FLOW_MATCH_STEP, kernels.flow_match_step),
         KernelRegistration(ops.FLOW_SDE_STEP, kernels.flow_sde_step),
-        KernelRegistration(ops.FLOW_STOCHASTIC_STEP, kernels.flow_stochastic_step),
         KernelRegistration(ops.UNIPC_STEP, kernels.unipc_step),
         KernelRegistration(ops.ATTENTION, kernels.attention),
         KernelRegistration(ops.CACHED_ATTENTION, kernels.cached_attention),

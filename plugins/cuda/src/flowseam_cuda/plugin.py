@@ -42,16 +42,14 @@ def flowseam_arch_chain() -> list[str]:
 @hookimpl
 def flowseam_register_kernels() -> list[KernelRegistration]:
     # sm80 and newer: cupy kernels and flash/fused attention; any other GPU: torch ops. The
-    # multistep and stochastic-sampling solvers run as core's eager torch kernels on every GPU
-    # (generic rung; their work per step is a handful of elementwise passes).
+    # multistep solver (UniPC) runs as core's eager torch kernel on every GPU (generic rung; its
+    # work per step is a handful of elementwise passes).
     return [
         KernelRegistration(ops.FLOW_MATCH_STEP, cupy_kernels.flow_match_step, arch="sm80"),
         KernelRegistration(ops.FLOW_SDE_STEP, cupy_kernels.flow_sde_step, arch="sm80"),
         KernelRegistration(ops.ATTENTION, torch_kernels.attention_fast, arch="sm80"),
         KernelRegistration(ops.FLOW_MATCH_STEP, torch_kernels.flow_match_step, arch="generic"),
         KernelRegistration(ops.FLOW_SDE_STEP, torch_kernels.flow_sde_step, arch="generic"),
-        KernelRegistration(ops.FLOW_STOCHASTIC_STEP, torch_kernels.flow_stochastic_step,
-                           arch="generic"),
         KernelRegistration(ops.UNIPC_STEP, torch_kernels.unipc_step, arch="generic"),
         KernelRegistration(ops.ATTENTION, torch_kernels.attention, arch="generic"),
         KernelRegistration(ops.CACHED_ATTENTION, torch_kernels.cached_attention, arch="generic"),

@@ -227,7 +227,7 @@ def kernel_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
                 for case in RENOISE_CASES:
                     yield (f"{name}-{dtype_id}-{case.id}",
                            KernelCase(reg.op, reg.arch, xd, nd, renoise=case))
-        elif reg.op in (ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP, ops.FLOW_STOCHASTIC_STEP):
+        elif reg.op in (ops.FLOW_MATCH_STEP, ops.FLOW_SDE_STEP):
             for dtype_id, (xd, vd) in STEP_DTYPES.items():
                 for step in STEPS:
                     if step.noise_level == 0.0 and reg.op != ops.FLOW_SDE_STEP:

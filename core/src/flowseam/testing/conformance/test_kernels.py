@@ -80,24 +80,6 @@ def _check_flow_sde_step(kernel, case: KernelCase, device: str) -> None:
     assert_close(out.log_prob, of_sample.log_prob, case.compute_dtype, "log_prob")
 
 
-def _check_flow_stochastic_step(kernel, case: KernelCase, device: str) -> None:
-    s = case.step
-    x, v, noise = _step_inputs(case, device)
-    out = kernel(x, v, s.sigma, s.sigma_next, noise=noise)
-    assert torch.is_tensor(out) and out.shape == x.shape and out.dtype == x.dtype, \
-        f"flow_stochastic_step returned {getattr(out, 'dtype', type(out))}; the contract is x's " \
-        f"{x.dtype}{tuple(x.shape)}"
-    want = reference.flow_stochastic_step(to_f64(x), to_f64(v), s.sigma, s.sigma_next,
-                                          noise=to_f64(noise))
-    assert_close(out, want, x.dtype, "flow_stochastic_step")
-    # without noise: drawn from the generator, standard normal in the compute dtype
-    drawn = kernel(x, v, s.sigma, s.sigma_next, generator=torch.Generator(device).manual_seed(5))
-    same = torch.randn(x.shape, generator=torch.Generator(device).manual_seed(5),
-                       dtype=getattr(torch, case.compute_dtype), device=device)
-    assert_close(drawn, kernel(x, v, s.sigma, s.sigma_next, noise=same), x.dtype,
-                 "flow_stochastic_step with generator= vs the same noise passed in")
-
-
 def _unipc_inputs(case: KernelCase, device: str):
     """x, v and a state whose history has random data predictions (compute dtype) and a
     random last sample (x's dtype), as the numpy oracle's and the kernel's state."""
@@ -204,7 +186,6 @@ def _check_flow_renoise(kernel, case: KernelCase, device: str) -> None:
 _CHECKS = {
     ops.FLOW_MATCH_STEP: _check_flow_match_step,
     ops.FLOW_SDE_STEP: _check_flow_sde_step,
-    ops.FLOW_STOCHASTIC_STEP: _check_flow_stochastic_step,
     ops.UNIPC_STEP: _check_unipc_step,
     ops.ATTENTION: _check_attention,
     ops.CACHED_ATTENTION: _check_cached_attention,
