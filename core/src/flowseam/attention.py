@@ -13,7 +13,10 @@ The kernel is resolved once, when the model is loaded (never per step).
 
 Under ``torch.compile`` (the accel backend compiles the DiT) the mode is traced with graph breaks
 around each attention call: results are exact, but the attention runs outside the compiled
-graphs. A compile-friendly route needs a public diffusers hook for custom attention backends,
+graphs. The check that the stock processor really called SDPA counts calls in eager runs only:
+dynamo compiles the mode's ``__torch_function__`` as a frame of its own (where a Python counter
+would be traced away or guarded on), so a model with compiled submodules is installed without
+the per-call check; its routing is proven by the conformance suite's parity with the cpu. A compile-friendly route needs a public diffusers hook for custom attention backends,
 which diffusers 0.42 does not have (its backend registry is private).
 """
 
@@ -60,9 +63,10 @@ class RoutedAttnProcessor:
         silently bypass the seam).
     """
 
-    def __init__(self, inner: Any, attn: Callable) -> None:
+    def __init__(self, inner: Any, attn: Callable, check_calls: bool = True) -> None:
         self.inner = inner
         self._mode = _SDPARoute(attn)
+        self.check_calls = check_calls
 
     def __call__(self, attn_module, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  rotary_emb=None, **kwargs):
@@ -70,7 +74,7 @@ class RoutedAttnProcessor:
         with self._mode:
             out = self.inner(attn_module, hidden_states, encoder_hidden_states, attention_mask,
                              rotary_emb, **kwargs)
-        if self._mode.calls == before and not torch.compiler.is_compiling():
+        if self.check_calls and self._mode.calls == before and not torch.compiler.is_compiling():
             raise RuntimeError(f"{type(self.inner).__name__} did not call scaled_dot_product_attention;"
                                " its attention was not routed through the platform")
         return out
@@ -84,6 +88,13 @@ def route_attention(model: Any, attn: Callable) -> Callable[[], None]:
     :returns: a callable that restores the model's original processors.
     """
     original = dict(model.attn_processors)
+    check = not is_compiled(model)
     model.set_attention_backend("native")
-    model.set_attn_processor({name: RoutedAttnProcessor(p, attn) for name, p in original.items()})
+    model.set_attn_processor({name: RoutedAttnProcessor(p, attn, check) for name, p in original.items()})
     return lambda: model.set_attn_processor(original)
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or any submodule was compiled in place (``nn.Module.compile``, as the
+    accel backend does for a whole DiT or for its repeated blocks)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())

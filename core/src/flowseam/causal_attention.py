@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .attention import RoutedAttnProcessor
+from .attention import RoutedAttnProcessor, is_compiled
 
 
 @dataclass(frozen=True)
@@ -199,14 +199,16 @@ def route_causal_attention(model: Any, attention: Callable, cached_attention: Ca
     :raises ValueError: if the model has no ``blocks.<i>.attn1`` self-attention.
     """
     original = dict(model.attn_processors)
+    check = not is_compiled(model)
     state = CausalAttention(attention, cached_attention)
     processors = {}
     for name, proc in original.items():
         parts = name.split(".")
         if len(parts) >= 3 and parts[0] == "blocks" and parts[2] == "attn1":
             processors[name] = CausalSelfAttnProcessor(proc, int(parts[1]), state)
+            processors[name].check_calls = check
         else:
-            processors[name] = RoutedAttnProcessor(proc, attention)
+            processors[name] = RoutedAttnProcessor(proc, attention, check)
     if not any(isinstance(p, CausalSelfAttnProcessor) for p in processors.values()):
         raise ValueError(f"{type(model).__name__} has no blocks.<i>.attn1 self-attention to make "
                          "causal; the wan_causal loop drives WanTransformer3DModel")
