@@ -40,6 +40,7 @@ def main() -> None:
     import test_checkpoint_parity as T
 
     diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
     checkpoints = T.Checkpoints(Path(tempfile.mkdtemp(prefix="fs-parity-")))
     cpu = flowseam.Platform("cpu")
     print(f"{'checkpoint':<55} {'max |flowseam - diffusers|':>27}  solver")
@@ -47,7 +48,7 @@ def main() -> None:
         path = checkpoints.variant(name, f"row{i}", scheduler(T))
         ours = T.ours(path, name, cpu, **changes)
         theirs = T.theirs(path, name, **changes)
-        print(f"{row:<55} {T._diff(ours.frames, theirs):>27.2e}  {ours.solver.split(':')[0]}")
+        print(f"{row:<55} {T._diff(ours.frames, theirs):>27.2e}  {'+'.join(ours.kernels)}")
 
 
 if __name__ == "__main__":
