@@ -35,12 +35,14 @@ ROWS = [  # (row of the issue's table, pipeline, scheduler factory, request chan
 
 def main() -> None:
     import diffusers
+    import transformers
 
     import flowseam
     import test_checkpoint_parity as T
 
     diffusers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
     checkpoints = T.Checkpoints(Path(tempfile.mkdtemp(prefix="fs-parity-")))
     cpu = flowseam.Platform("cpu")
     print(f"{'checkpoint':<55} {'max |flowseam - diffusers|':>27}  solver")
