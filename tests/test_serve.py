@@ -132,13 +132,6 @@ def server(ckpts, tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture
-def show_log(server, request):
-    yield
-    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
-        print(server.log_path.read_text()[-5000:])
-
-
 @pytest.fixture(scope="module")
 def first_frame(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("serve-image") / "first.png"
