@@ -49,7 +49,8 @@ def main() -> None:
     from flowseam.console import quiet_libraries
     from flowseam.demo.build import ensure_models, read_recipes
     from flowseam.demo.evaluate import serve_params
-    from flowseam.demo.run import EVAL_SEED_BASE, PROMPTS, RL_CONFIG, default_threads, rl_config
+    from flowseam.demo.run import (EVAL_SEED_BASE, PROMPTS, RL_CONFIG, apply_overrides, default_threads,
+                                   rl_config)
     from flowseam.training import get_reward
     from flowseam.training.workflow_rl import WorkflowRL
 
@@ -65,17 +66,7 @@ def main() -> None:
                  for k in range(args.seed_sets)]
 
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in RL_CONFIG.items()}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            value = json.loads(value)
-        except ValueError:
-            pass
-        *tables, leaf = key.split(".")
-        target = base
-        for t in tables:
-            target = target.setdefault(t, {})
-        target[leaf] = value
+    apply_overrides(base, args.set)
     t2i_serve = serve_params(recipes["digits-t2i"].config)
     i2v_serve = serve_params(recipes["digits-i2v"].config)
 

@@ -34,9 +34,12 @@ def i2v_prompt(digit: int, direction: str) -> str:
 
 
 def parse_prompt(prompt: str) -> tuple[int | None, str | None]:
-    """(digit, direction) named in a prompt (None where absent)."""
+    """(digit, direction) named in a prompt (None where absent): the first number word or
+    single-digit numeral (``"seven"``, ``"7"``) and the first direction word — so a user's loose
+    request (``"draw me a 7 sliding to the left"``) parses like a generator prompt."""
     words = prompt.lower().replace(",", " ").split()
-    digit = next((NUMBER_WORDS.index(w) for w in words if w in NUMBER_WORDS), None)
+    digit = next((NUMBER_WORDS.index(w) if w in NUMBER_WORDS else int(w) for w in words
+                  if w in NUMBER_WORDS or (len(w) == 1 and w.isdigit())), None)
     direction = next((w for w in words if w in DIRECTIONS), None)
     return digit, direction
 

@@ -205,6 +205,28 @@ def rl_config(prompts: list[str], steps: int, group_size: int, t2i_serve: Diffus
                 i2v_sampling=_rl_sampling(base["i2v_sampling"], i2v_serve), **changes)
 
 
+def apply_overrides(config: dict[str, Any], items: list[str]) -> dict[str, Any]:
+    """Apply ``KEY=VALUE`` overrides (a bench script's ``--set``) to ``config`` in place: dotted
+    keys reach into tables (``optim.lr=5e-4``), the value is read as JSON (else kept as a
+    string). Returns ``config``.
+
+    :raises ValueError: for an item without ``=``."""
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r} must look like key=value")
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+        *tables, leaf = key.split(".")
+        target = config
+        for t in tables:
+            target = target.setdefault(t, {})
+        target[leaf] = value
+    return config
+
+
 def _rl_sampling(rl: dict[str, Any], serve: DiffusionParams) -> dict[str, Any]:
     """The RL stage's sampling: the serve size and text length, fewer steps, the SDE noise."""
     keep = ("height", "width", "num_frames", "guidance_scale", "flow_shift", "max_sequence_length")

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 __all__ = ["ALL_CARDS", "CARDS", "SCHEDULER_CLASSES", "clip_tokenizer", "t5_tokenizer",
-           "write_tiny_checkpoint"]
+           "write_tiny_checkpoint", "write_tiny_lm"]
 
 #: The cards of the conformance suite (one checkpoint each), in a fixed order.
 CARDS = ("wan2.1-t2v", "wan2.1-i2v", "flux.1-t2i", "wan2.1-causal-t2v")
@@ -193,6 +193,40 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
         meta["boundary_ratio"] = float(boundary_ratio)
     text = json.dumps(meta, indent=2, sort_keys=True, default=repr)
     (out / METADATA_FILE).write_text(text + "\n")
+    return out
+
+
+def write_tiny_lm(path: "str | os.PathLike[str]", *, seed: int = 0, **config) -> pathlib.Path:
+    """Write a tiny random causal language model (a prompt refiner for ``unified_rl``) into the
+    new directory ``path`` with ``save_pretrained``: it loads back with
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and ``AutoTokenizer``.
+
+    * model: ``GPT2LMHeadModel``, 2 layers, 2 heads, width 32, 128 positions, no dropout
+      (``**config`` overrides any ``GPT2Config`` field);
+    * tokenizer: ``GPT2Tokenizer``, byte-level BPE over the 256 byte symbols with no merges
+      (every byte is a token) plus ``<|endoftext|>`` (EOS, id 256), built in memory.
+
+    The weights are drawn from torch's CPU generator seeded with ``seed`` inside
+    ``torch.random.fork_rng`` (the caller's RNG state is left alone), so the same arguments
+    write the same files.
+
+    :raises FileExistsError: ``path`` exists and is not an empty directory.
+    """
+    out = pathlib.Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{str(out)!r} exists and is not an empty directory")
+    vocab = {symbol: i for i, symbol in enumerate(_bytes_to_unicode().values())}
+    vocab["<|endoftext|>"] = len(vocab)
+    tokenizer = transformers.GPT2Tokenizer(vocab=vocab, merges=[], model_max_length=128)
+    settings = _merge(dict(vocab_size=len(vocab), n_positions=128, n_embd=32, n_layer=2, n_head=2,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           bos_token_id=len(vocab) - 1, eos_token_id=len(vocab) - 1), config)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.random.default_generator.manual_seed(int(seed))
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**settings)).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 

@@ -52,24 +52,31 @@ class Stage:
 
     @classmethod
     def create(cls, name: str, model: ModelInstance, optim: dict[str, Any], lora: dict[str, Any],
-               with_reference: bool, dp: DataParallel | None = None) -> "Stage":
-        """The trainable copy of ``model``'s one DiT.
+               with_reference: bool, dp: DataParallel | None = None,
+               component: str | None = None) -> "Stage":
+        """The stage that trains ``model.components[component]``: by default the model's one DiT
+        (``model.DIT``); ``component`` names another one — one DiT expert of a multi-expert model
+        (``joint_multi_rl``), or the LM of a :class:`~flowseam.refiner.PromptRefiner` (anything
+        with ``components``, ``versions`` and ``bump_version``).
 
-        :raises FlowseamError: for a model with several DiT experts (Wan2.2): a stage trains one
-            DiT, and training only the first expert while the other one rolls out half of every
-            trajectory would credit it for steps it did not produce.
+        :raises FlowseamError: with no ``component``, for a model with several DiT experts
+            (Wan2.2): a stage trains one DiT, and training only the first expert while the other
+            one rolls out half of every trajectory would credit it for steps it did not produce.
         """
         dp = dp or DataParallel.single()
-        if len(model.experts) > 1:
-            raise FlowseamError(
-                f"{model.card.name} has {len(model.experts)} DiT experts "
-                f"({', '.join(model.experts)}); this method trains one DiT. A multi-expert model "
-                "needs a method that credits each expert for the steps it produced "
-                "(BehaviorRecord.expert)")
+        if component is None:
+            if len(model.experts) > 1:
+                raise FlowseamError(
+                    f"{model.card.name} has {len(model.experts)} DiT experts "
+                    f"({', '.join(model.experts)}); this method trains one DiT. A multi-expert "
+                    "model needs a method that credits each expert for the steps it produced "
+                    "(BehaviorRecord.expert): joint_multi_rl")
+            component = model.DIT
+        module = model.components[component]
         if lora["rank"]:
-            _add_lora(model.dit, lora)  # the rollout copy gets the same adapters (zero-initialised)
-        policy = copy.deepcopy(model.dit)
-        reference = copy.deepcopy(model.dit).requires_grad_(False) if with_reference else None
+            _add_lora(module, lora)  # the rollout copy gets the same adapters (zero-initialised)
+        policy = copy.deepcopy(module)
+        reference = copy.deepcopy(module).requires_grad_(False) if with_reference else None
         if lora["rank"]:
             for n, p in policy.named_parameters():
                 p.requires_grad_("lora_" in n)
@@ -81,7 +88,7 @@ class Stage:
         trainable = [p for p in policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=optim["lr"], weight_decay=optim["weight_decay"],
                                       betas=(optim["beta1"], optim["beta2"]), eps=optim["adam_eps"])
-        plan = WeightSyncPlan(policy, model, model.DIT, WeightRole.STUDENT)
+        plan = WeightSyncPlan(policy, model, component, WeightRole.STUDENT)
         return cls(name, model, policy, reference, optimizer, plan, trainer)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -137,7 +144,7 @@ class RunFiles:
             # the version they had
             s.sync.version = state["sync_versions"][s.name] - 1
             s.sync.sync()
-            s.model.versions[s.model.DIT] = state["weights_versions"][s.name]
+            s.model.versions[s.sync.component] = state["weights_versions"][s.name]
         return state
 
     def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any]) -> Path | None:
@@ -148,7 +155,8 @@ class RunFiles:
             self.checkpoint_dir, step, {s.name: s.policy for s in stages},
             {s.name: s.optimizer for s in stages},
             {"sync_versions": {s.name: s.sync.version for s in stages},
-             "weights_versions": {s.name: s.model.versions[s.model.DIT] for s in stages}, **extra})
+             "weights_versions": {s.name: s.model.versions[s.sync.component] for s in stages},
+             **extra})
 
     def write(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:

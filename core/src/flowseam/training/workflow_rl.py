@@ -118,15 +118,8 @@ class WorkflowRL:
     def rollout_group(self, prompt: str, seeds: list[int], sde: bool = True):
         """Stage 1 for the whole group, then stage 2 once per image. Returns
         ``(t2i LoopResult (B=K), [i2v LoopResult (B=1)] * K, videos (K, F, H, W, 3))``."""
-        profile = ExecutionProfile.ROLLOUT if sde else ExecutionProfile.SERVE
-        p1 = sampling_params(self.t2i_sampling).replace(sde_rollout=sde)
-        p2 = sampling_params(self.i2v_sampling).replace(sde_rollout=sde)
-        images = run_loop(self.t2i, GenerationRequest([prompt] * len(seeds), TaskType.T2I, p1, seeds=seeds),
-                          profile=profile)
-        videos = [run_loop(self.i2v, GenerationRequest(prompt, TaskType.I2V, p2, image=images.frames[k, 0],
-                                                       seeds=[derive_seed(s, 2)]), profile=profile)
-                  for k, s in enumerate(seeds)]
-        return images, videos, torch.cat([torch.from_numpy(v.frames) for v in videos]).numpy()
+        return workflow_rollout(self.t2i, self.i2v, [prompt] * len(seeds), seeds,
+                                self.t2i_sampling, self.i2v_sampling, sde)
 
     check_world_size = staticmethod(FlowGRPO.check_world_size)
 
@@ -194,6 +187,25 @@ class WorkflowRL:
             _, _, videos = self.rollout_group(prompt, list(seeds), sde=False)
             out.append(score(self.reward, [prompt] * len(seeds), videos))
         return torch.stack(out).mean(dim=0)
+
+
+def workflow_rollout(t2i: ModelInstance, i2v: ModelInstance, prompts: list[str], seeds: list[int],
+                     t2i_sampling: dict[str, Any], i2v_sampling: dict[str, Any], sde: bool = True):
+    """The t2i → i2v workflow for ``B`` samples: stage 1 as one batch (row ``k`` prompt
+    ``prompts[k]``, seed ``seeds[k]``), then stage 2 once per image (seed
+    ``derive_seed(seeds[k], 2)``). With ``sde`` both stages are SDE rollouts with records, else
+    served (ODE).
+
+    :returns: ``(t2i LoopResult (B), [i2v LoopResult (1)] * B, videos (B, F, H, W, 3))``.
+    """
+    profile = ExecutionProfile.ROLLOUT if sde else ExecutionProfile.SERVE
+    p1 = sampling_params(t2i_sampling).replace(sde_rollout=sde)
+    p2 = sampling_params(i2v_sampling).replace(sde_rollout=sde)
+    images = run_loop(t2i, GenerationRequest(list(prompts), TaskType.T2I, p1, seeds=seeds), profile=profile)
+    videos = [run_loop(i2v, GenerationRequest(prompt, TaskType.I2V, p2, image=images.frames[k, 0],
+                                              seeds=[derive_seed(s, 2)]), profile=profile)
+              for k, (prompt, s) in enumerate(zip(prompts, seeds))]
+    return images, videos, torch.cat([torch.from_numpy(v.frames) for v in videos]).numpy()
 
 
 @hookimpl

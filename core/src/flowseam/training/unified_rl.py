@@ -1,0 +1,404 @@
+"""The ``unified_rl`` training method: a language model rewrites the user's prompt, a generator
+renders the rewrite, and one reward on the output trains both.
+
+A plugin module of its own, registered through its own entry point in core's pyproject
+(``unified_rl = "flowseam.training.unified_rl"``) exactly as a third-party method would be.
+
+The rollout is a tree (Tencent UniRL's layout): each step takes P prompts; for each, the LM
+samples N rewrites — of which the first ``unrefined_rewrites`` keep the unrefined prompt as a
+baseline (PromptRL's prompt retention) — and the generator renders M samples of every branch
+(SDE, each sample with its own seed). The reward scores every output **against the user's
+prompt**, never against the rewrite (the rewrite is the LM's action; scoring it would let the LM
+rewrite the task). Advantages are group-relative per level:
+
+* samples are grouped by branch: ``A_dit = (r - mean_branch) / (std_branch + eps)``, and drive a
+  Flow-GRPO update of the generator's DiT (of both stages of the t2i → i2v workflow), exactly
+  as ``flowgrpo`` does (pinned kernels, C2);
+* branches are grouped by prompt, scored by the mean reward of their M samples:
+  ``A_lm = (s - mean_prompt) / (std_prompt + eps)`` over all N branches (the unrefined ones
+  included, so a rewrite is judged against the unrefined prompt too), and drive a GRPO update of
+  the LM on the tokens of the refined branches (:mod:`.lm_grpo`: behaviour log-prob
+  ``log_softmax(logits / T)`` stored at sampling, recomputed on the same token buffer, C2 for
+  tokens).
+
+A prompt with a non-finite reward in any of its samples is skipped at both levels (a warning and
+a counter). The LM and each DiT have their own trainer copy, optimizer, learning rate and
+WeightSyncPlan (the LM's hands the weights to the :class:`~flowseam.refiner.PromptRefiner` that
+samples). One process: data parallelism (``--nproc``) is not implemented for this method.
+
+Config (TOML/YAML or dict)::
+
+    lm_model = "path/to/lm"            # transformers AutoModelForCausalLM + AutoTokenizer
+                                       # (a save_pretrained directory)
+    lm_template = "{request} =>"       # the LM input; default: the directory's
+                                       # flowseam_refiner.json, else "{request}"
+    model = "path/to/checkpoint"       # the generator: a text-to-image or text-to-video card...
+    t2i_model = "..."; i2v_model = "..."   # ...or the t2i-i2v workflow (both stages trained)
+    backend = "cpu"                    # optional; the LM and the generator alike
+    prompts = ["draw me a 7 sliding to the left", ...]
+    reward = "digit_video"; reward_args = {}
+    prompts_per_step = 1               # P
+    rewrites = 4                       # N >= 2 branches per prompt
+    unrefined_rewrites = 0             # of the N, how many keep the unrefined prompt (< N)
+    samples_per_rewrite = 2            # M >= 2 generator samples per branch
+    steps = 10; seed = 0
+    output_dir = "runs/unified"        # metrics.jsonl, checkpoints/, and the trained LM in lm/
+    checkpoint_every = 0
+    [sampling]                         # the generator's, as flowgrpo's [sampling]; for the
+    [t2i_sampling] / [i2v_sampling]    # workflow one table per stage, as workflow_rl's
+    [lm_sampling]  temperature, top_k, top_p, max_new_tokens (defaults: the LM directory's)
+    [grpo] [optim] [lora]              # the generator's Flow-GRPO, optimizer, LoRA (as flowgrpo)
+    [t2i_optim] / [i2v_optim]          # the workflow's per-stage overrides of [optim]
+    [lm_grpo]  clip_range, adv_clip_max, beta, inner_epochs, max_grad_norm, eps
+    [lm_optim] lr, weight_decay, beta1, beta2, adam_eps (its own optimizer and learning rate)
+
+Metrics per step (JSON lines): the reward (all samples, refined and unrefined branches apart),
+the advantages of both levels, per side the PPO ratio (and its first-epoch deviation from 1), clip
+fraction, approximate KL, KL to the reference, gradient norm and weights version (prefixes
+``lm_``, and ``dit_`` or ``t2i_``/``i2v_``), the LM's mean rewrite length and EOS fraction, one
+example prompt with its rewrites, and seconds per phase.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FlowseamError
+from ..hookspecs import hookimpl
+from ..loading import load
+from ..loops import ExecutionProfile, run_loop
+from ..models.base import ModelInstance
+from ..platform import Platform
+from ..refiner import PromptRefiner, RefinerSampling, check_template
+from ..request import GenerationRequest, TaskType
+from . import get_reward
+from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, run_training
+from .config import section
+from .flowgrpo import SAMPLING_DEFAULTS, check_top, sampling_params
+from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
+from .lm_grpo import LM_GRPO_DEFAULTS, LMGRPOConfig, lm_grpo_update
+from .rewards import score
+from .workflow_rl import workflow_rollout
+
+TOP_DEFAULTS = dict(lm_model=None, lm_template=None, model=None, t2i_model=None, i2v_model=None,
+                    backend=None, prompts=None, reward="brightness", reward_args={},
+                    prompts_per_step=1, rewrites=4, unrefined_rewrites=0, samples_per_rewrite=2,
+                    steps=10, seed=0, output_dir=None, checkpoint_every=0, sampling={},
+                    t2i_sampling={}, i2v_sampling={}, lm_sampling={}, grpo={}, optim={}, lora={},
+                    t2i_optim={}, i2v_optim={}, lm_grpo={}, lm_optim={})
+#: where a run's trained LM is saved, under ``output_dir``
+LM_DIR = "lm"
+
+
+def _count(cfg: dict[str, Any], key: str, low: int, why: str, high: int | None = None) -> int:
+    value = cfg[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < low \
+            or (high is not None and value > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise FlowseamError(f"{key}={value!r} must be {allowed}: {why}")
+    return value
+
+
+class Generator:
+    """The generator side of ``unified_rl``: one text-conditioned model (stage ``dit``) or the
+    t2i → i2v workflow (stages ``t2i`` and ``i2v``), with one :class:`Stage` per DiT."""
+
+    def __init__(self, models: dict[str, ModelInstance], sampling: dict[str, dict[str, Any]],
+                 optims: dict[str, dict[str, Any]], lora: dict[str, Any], grpo: GRPOConfig) -> None:
+        self.models, self.sampling = models, sampling
+        self.stages = [Stage.create(name, model, optims[name], lora, with_reference=grpo.beta > 0)
+                       for name, model in models.items()]
+
+    @property
+    def workflow(self) -> bool:
+        return "i2v" in self.models
+
+    def rollout(self, prompts: list[str], seeds: list[int], sde: bool = True):
+        """Render ``B`` samples (row ``k``: ``prompts[k]``, ``seeds[k]``).
+
+        :returns: ``(pieces, frames)``: ``pieces`` lists ``(stage name, LoopResult, rows)``
+            with ``rows`` the slice of the B samples the result holds; ``frames``
+            ``(B, F, H, W, 3)`` float32 in [0, 1], the final outputs.
+        """
+        if self.workflow:
+            images, videos, frames = workflow_rollout(self.models["t2i"], self.models["i2v"], prompts,
+                                                      seeds, self.sampling["t2i"], self.sampling["i2v"], sde)
+            return ([("t2i", images, slice(0, len(prompts)))]
+                    + [("i2v", v, slice(k, k + 1)) for k, v in enumerate(videos)]), frames
+        model = self.models["dit"]
+        params = sampling_params(self.sampling["dit"]).replace(sde_rollout=sde)
+        result = run_loop(model, GenerationRequest(list(prompts), model.card.task, params, seeds=seeds),
+                          profile=ExecutionProfile.ROLLOUT if sde else ExecutionProfile.SERVE)
+        return [("dit", result, slice(0, len(prompts)))], result.frames
+
+
+class UnifiedRL:
+    """A prompt-refining LM and the generator trained from one reward.
+    ``UnifiedRL(config).run()``; see the module docstring.
+
+    :param refiner: an already loaded :class:`PromptRefiner` (else ``config["lm_model"]``).
+    :param model: an already loaded generator (else ``config["model"]``), or
+    :param t2i, i2v: the two models of the t2i → i2v workflow (else ``t2i_model``/``i2v_model``).
+    :param reward: a reward callable (else ``config["reward"]`` among the plugins).
+    :raises FlowseamError: for an invalid config, naming the key and what is allowed (before any
+        model loads).
+    """
+
+    name = "unified_rl"
+
+    def __init__(self, config: dict[str, Any], refiner: PromptRefiner | None = None,
+                 model: ModelInstance | None = None, t2i: ModelInstance | None = None,
+                 i2v: ModelInstance | None = None, reward=None) -> None:
+        self.config = cfg = check_top(config, TOP_DEFAULTS)
+        self.check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if not cfg["prompts"] or not isinstance(cfg["prompts"], list) \
+                or not all(isinstance(p, str) and p.strip() for p in cfg["prompts"]):
+            raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of non-empty strings")
+        self.P = _count(cfg, "prompts_per_step", 1, "prompts per step")
+        self.N = _count(cfg, "rewrites", 2, "the LM's advantage is relative to the other "
+                        "rewrites of the same prompt")
+        self.U = _count(cfg, "unrefined_rewrites", 0, "how many of the rewrites keep the "
+                        "unrefined prompt; at least one must be the LM's", high=self.N - 1)
+        self.M = _count(cfg, "samples_per_rewrite", 2, "the generator's advantage is relative to "
+                        "the other samples of the same rewrite")
+        workflow = bool(cfg["t2i_model"] or cfg["i2v_model"] or t2i is not None or i2v is not None)
+        single = bool(cfg["model"] or model is not None)
+        if workflow == single:
+            raise FlowseamError("the generator is either model = <checkpoint> (a text-to-image or "
+                                "text-to-video model) or t2i_model + i2v_model (the t2i-i2v "
+                                "workflow); the config gives " + ("both" if single else "neither"))
+        unused = ("t2i_sampling", "i2v_sampling", "t2i_optim", "i2v_optim") if single else ("sampling",)
+        given = [k for k in unused if cfg[k]]
+        if given:
+            raise FlowseamError(f"config table(s) {given} do not apply to this generator: "
+                                + ("the per-stage tables are for the t2i-i2v workflow (t2i_model + "
+                                   "i2v_model); use [sampling] and [optim]" if single else
+                                   "the workflow takes [t2i_sampling] and [i2v_sampling]"))
+        self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
+        self.lm_grpo = LMGRPOConfig(**section(cfg, "lm_grpo", LM_GRPO_DEFAULTS))
+        optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
+        lm_optim = section(cfg, "lm_optim", OPTIM_DEFAULTS)
+        if single:
+            sampling = {"dit": section(cfg, "sampling", SAMPLING_DEFAULTS)}
+            optims = {"dit": optim}
+        else:
+            sampling = {s: section(cfg, f"{s}_sampling", SAMPLING_DEFAULTS) for s in ("t2i", "i2v")}
+            optims = {s: section(cfg, f"{s}_optim", optim) for s in ("t2i", "i2v")}
+        if cfg["lm_template"] is not None:
+            check_template(cfg["lm_template"])
+        RefinerSampling(**section(cfg, "lm_sampling", asdict(RefinerSampling())))  # check it now
+        if refiner is None and not cfg["lm_model"]:
+            raise FlowseamError("config needs lm_model = <directory of a transformers causal LM "
+                                "and its tokenizer, written with save_pretrained>")
+
+        # The models (after every check above).
+        platform = None
+        if refiner is None or (single and model is None) or (workflow and (t2i is None or i2v is None)):
+            platform = Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()
+        if single:
+            model = model or _load(cfg["model"], "model", platform)
+            if TaskType.I2V in model.card.tasks:
+                raise FlowseamError(f"model: {model.card.name} needs an image per prompt; for "
+                                    "image-to-video give the t2i-i2v workflow (t2i_model + i2v_model)")
+            models = {"dit": model}
+        else:
+            t2i = t2i or _load(cfg["t2i_model"], "t2i_model", platform)
+            i2v = i2v or _load(cfg["i2v_model"], "i2v_model", platform)
+            if TaskType.T2I not in t2i.card.tasks or TaskType.I2V not in i2v.card.tasks:
+                raise FlowseamError(f"the t2i-i2v workflow needs a text-to-image then an "
+                                    f"image-to-video model; got {t2i.card.name} and {i2v.card.name}")
+            models = {"t2i": t2i, "i2v": i2v}
+        self.refiner = refiner or PromptRefiner.load(cfg["lm_model"], platform=platform)
+        if cfg["lm_template"] is not None:
+            self.refiner.template = cfg["lm_template"]
+        self.lm_sampling = RefinerSampling(**section(cfg, "lm_sampling", asdict(self.refiner.sampling)))
+        self.refiner.sampling = self.lm_sampling  # what the saved LM samples with
+
+        self.generator = Generator(models, sampling, optims, lora, self.grpo)
+        self.lm_stage = Stage.create("lm", self.refiner, lm_optim, dict(LORA_DEFAULTS, rank=0),
+                                     with_reference=self.lm_grpo.beta > 0,
+                                     component=PromptRefiner.COMPONENT)
+        self.stages = [self.lm_stage, *self.generator.stages]
+        self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
+        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
+                              cfg["checkpoint_every"])
+        self.step = 0
+        self.progress = True
+        self.skipped_groups = 0
+        self.last_stats: dict[str, UpdateStats] = {}
+        self.last_rollout = None
+
+    @staticmethod
+    def check_world_size(config: dict[str, Any], world_size: int) -> None:
+        """:raises FlowseamError: for more than one rank (``flowseam train --nproc`` calls it
+        before any rank starts)."""
+        if world_size > 1:
+            raise FlowseamError(f"unified_rl runs on one process; {world_size} ranks (--nproc / "
+                                "torchrun) are not implemented for it: drop --nproc")
+
+    # -- one step ---------------------------------------------------------------------------
+    def step_prompts(self, step: int) -> list[str]:
+        prompts = self.config["prompts"]
+        return [prompts[(step * self.P + i) % len(prompts)] for i in range(self.P)]
+
+    def rollout(self, step: int) -> dict[str, Any]:
+        """The rollout tree of step ``step``: the LM's rewrites of the refined branches (one
+        batch), then per prompt the generator's N × M samples (one batch), scored against the
+        prompt. Returns the prompts, the branch texts ``(P, N)``, the LM rollout, the generator
+        pieces per prompt and the rewards ``(P, N, M)``."""
+        seed, P, N, U, M = self.config["seed"], self.P, self.N, self.U, self.M
+        prompts = self.step_prompts(step)
+        lm_rows = [(i, n) for i in range(P) for n in range(U, N)]
+        lm = self.refiner.sample([prompts[i] for i, _ in lm_rows],
+                                 [derive_seed(seed, step, i, n, 0) for i, n in lm_rows], self.lm_sampling)
+        texts = [[prompts[i]] * N for i in range(P)]
+        for (i, n), rewrite in zip(lm_rows, lm.rewrites):
+            texts[i][n] = rewrite
+        pieces, rewards = [], []
+        for i in range(P):
+            rows = [(n, k) for n in range(N) for k in range(M)]
+            parts, frames = self.generator.rollout([texts[i][n] for n, _ in rows],
+                                                   [derive_seed(seed, step, i, n, 1 + k) for n, k in rows])
+            pieces.append(parts)
+            rewards.append(score(self.reward, [prompts[i]] * len(rows), frames).view(N, M))
+        return {"prompts": prompts, "texts": texts, "lm": lm, "lm_rows": lm_rows, "pieces": pieces,
+                "rewards": torch.stack(rewards)}
+
+    def advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Group-relative advantages of both levels from ``rewards`` ``(P, N, M)``.
+
+        :returns: ``(sample_adv (P, N, M), rewrite_adv (P, N), stats)``: samples grouped by
+            branch, branches (scored by their mean reward) grouped by prompt; a prompt with any
+            non-finite reward gets 0 everywhere.
+        """
+        P, N, M = rewards.shape
+        finite = torch.isfinite(rewards).flatten(1).all(dim=1)
+        masked = torch.where(finite[:, None, None], rewards, torch.full_like(rewards, float("nan")))
+        sample_adv, _, sample_stats = group_advantages(masked.reshape(P * N, M), self.grpo)
+        rewrite_adv, _, rewrite_stats = group_advantages(masked.mean(dim=2), self.lm_grpo)
+        stats = {"prompts_skipped_nan": int((~finite).sum()),
+                 **{f"sample_{k}": v for k, v in sample_stats.items() if k != "groups_skipped_nan"},
+                 **{f"rewrite_{k}": v for k, v in rewrite_stats.items() if k != "groups_skipped_nan"}}
+        return sample_adv.view(P, N, M), rewrite_adv, stats
+
+    def train_step(self) -> dict[str, Any]:
+        """One step: rollout tree, rewards, both levels' advantages, the DiT update(s), the LM
+        update, the syncs; returns its metrics (also written to metrics.jsonl)."""
+        timer = Timer()
+        cfg, N, M = self.config, self.N, self.M
+        with timer("rollout"):
+            tree = self.rollout(self.step)
+        rewards = tree["rewards"]
+        sample_adv, rewrite_adv, adv_stats = self.advantages(rewards)
+        if adv_stats["prompts_skipped_nan"]:
+            self.skipped_groups += adv_stats["prompts_skipped_nan"]
+            warnings.warn(f"step {self.step}: reward returned NaN for {adv_stats['prompts_skipped_nan']} "
+                          "prompt(s); skipped them (no update of the LM or the generator from them)",
+                          stacklevel=2)
+        # The generator: samples grouped by branch.
+        branch_trained = (sample_adv != 0).any(dim=2)  # (P, N)
+        trajectories: dict[str, list[Trajectory]] = {s.name: [] for s in self.generator.stages}
+        for i, parts in enumerate(tree["pieces"]):
+            rows_adv = sample_adv[i].reshape(N * M)
+            rows_trained = branch_trained[i].repeat_interleave(M)
+            for stage, result, rows in parts:
+                trajectories[stage].append(Trajectory(self.generator.models[stage], result,
+                                                      rows_adv[rows], bool(rows_trained[rows].any())))
+        stats: dict[str, UpdateStats] = {}
+        with timer("update"):
+            for stage in self.generator.stages:
+                stats[stage.name] = ppo_update(stage.trainer, stage.reference, trajectories[stage.name],
+                                               stage.optimizer, self.grpo,
+                                               seed=derive_seed(cfg["seed"], self.step, 99))
+            # The LM: branches grouped by prompt, on the refined branches' tokens.
+            lm_adv = torch.stack([rewrite_adv[i, n] for i, n in tree["lm_rows"]])
+            lm_trained = torch.tensor([bool((rewrite_adv[i] != 0).any()) for i, _ in tree["lm_rows"]])
+            stats["lm"] = lm_grpo_update(self.refiner, self.lm_stage.trainer, self.lm_stage.reference,
+                                         tree["lm"], lm_adv, lm_trained, self.lm_stage.optimizer,
+                                         self.lm_grpo)
+        with timer("sync"):
+            for stage in self.stages:
+                if stats[stage.name].grad_norms:
+                    stage.sync.sync()
+        self.last_stats, self.last_rollout = stats, tree
+        self.step += 1
+        record = {"step": self.step, **reward_stats(rewards, self.U), **adv_stats,
+                  "prompts_skipped_nan_total": self.skipped_groups,
+                  **{k: v for s in self.stages for k, v in stats[s.name].summary(f"{s.name}_").items()},
+                  **{f"{s.name}_weights_version": s.sync.version for s in self.stages},
+                  **rewrite_stats(tree["lm"], self.refiner.tokenizer.eos_token_id),
+                  "example_prompt": tree["prompts"][0], "example_rewrites": tree["texts"][0],
+                  **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
+        self.files.write(record)
+        self.files.maybe_checkpoint(self.step, self.stages, {"skipped_groups": self.skipped_groups})
+        return record
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint); with an
+        ``output_dir``, save the trained LM (and tokenizer, template, sampling) to
+        ``<output_dir>/lm``: ``PromptRefiner.load`` and ``AutoModelForCausalLM.from_pretrained``
+        read it."""
+        self.progress = progress
+        records = run_training(self, self.stages, "unified_rl", "reward_mean")
+        saved = None
+        if self.files.output_dir is not None:
+            saved = self.refiner.save(self.files.output_dir / LM_DIR)
+        return {"steps": self.step, "records": records, "lm": str(saved) if saved else None,
+                "weights_versions": {s.name: s.sync.version for s in self.stages}}
+
+    def evaluate(self, seeds: list[int], prompts: list[str] | None = None,
+                 refine: bool = True) -> torch.Tensor:
+        """Mean reward per seed: for each prompt and seed ``s`` one rewrite (LM seed
+        ``derive_seed(s, 3)``; the unrefined prompt with ``refine=False``) rendered by the
+        generator served (ODE) with seed ``s``, scored against the prompt: ``(len(seeds),)``."""
+        out = []
+        seeds = [int(s) for s in seeds]
+        for prompt in prompts or self.config["prompts"]:
+            texts = (self.refiner.sample([prompt] * len(seeds), [derive_seed(s, 3) for s in seeds],
+                                         self.lm_sampling).rewrites if refine else [prompt] * len(seeds))
+            _, frames = self.generator.rollout(texts, seeds, sde=False)
+            out.append(score(self.reward, [prompt] * len(seeds), frames))
+        return torch.stack(out).mean(dim=0)
+
+
+def reward_stats(rewards: torch.Tensor, unrefined: int) -> dict[str, float]:
+    """Mean and std of the finite rewards ``(P, N, M)``, and the means of the refined and the
+    unrefined branches (the latter only with unrefined branches)."""
+    def mean(x: torch.Tensor) -> float:
+        x = x[torch.isfinite(x)]
+        return float(x.mean()) if x.numel() else float("nan")
+
+    finite = rewards[torch.isfinite(rewards)]
+    out = {"reward_mean": mean(rewards),
+           "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
+           "reward_refined_mean": mean(rewards[:, unrefined:])}
+    if unrefined:
+        out["reward_unrefined_mean"] = mean(rewards[:, :unrefined])
+    return out
+
+
+def rewrite_stats(rollout, eos_token_id: int) -> dict[str, float]:
+    """The LM's mean rewrite length in tokens (EOS included) and the fraction that ended with
+    EOS (the rest hit ``max_new_tokens``)."""
+    lengths = rollout.completion_mask.sum(dim=1)
+    last = rollout.completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None].to(rollout.input_ids.device))
+    return {"lm_rewrite_tokens_mean": float(lengths.float().mean()),
+            "lm_eos_frac": float((last[:, 0].cpu() == eos_token_id).float().mean())}
+
+
+def _load(path: str | None, key: str, platform: Platform) -> ModelInstance:
+    if not path:
+        raise FlowseamError(f"config needs {key} = <checkpoint directory>")
+    return load(path, platform=platform)
+
+
+@hookimpl
+def flowseam_training_methods():
+    return {"unified_rl": UnifiedRL}
