@@ -130,7 +130,8 @@ def test_two_ranks_equal_one_rank_flowgrpo(flux, tmp_path):
 def test_two_ranks_equal_one_rank_workflow_rl_finetune_and_fsdp(flux, tmp_path):
     """One torchrun job of 2 ranks (the library API under torchrun) runs workflow_rl (groups
     split whole over the ranks), finetune (the batch split by rows) and flowgrpo with FSDP2
-    (a sharded policy and reference); each equals the same run on one process."""
+    (a sharded policy and reference; one step, a checkpoint of the sharded AdamW state, then a
+    second run resuming from it); each equals the same run, uninterrupted, on one process."""
     import json
     import os
     import subprocess
@@ -158,11 +159,12 @@ def test_two_ranks_equal_one_rank_workflow_rl_finetune_and_fsdp(flux, tmp_path):
                          batch_size=4, seed=2, optim=OPTIM,
                          train=dict(p_uncond=0.5, sigma_sampling="uniform")),
         "flowgrpo": dict(model=str(flux), backend="cpu", prompts=["a ball"], group_size=2, steps=2,
-                         seed=4, sampling=dict(SAMPLING, num_steps=2), grpo=grpo, optim=OPTIM,
-                         distributed=dict(fsdp=True)),
+                         seed=4, checkpoint_every=1, sampling=dict(SAMPLING, num_steps=2), grpo=grpo,
+                         optim=OPTIM, distributed=dict(fsdp=True)),
     }
     spec = [{"method": m, "config": dict(c, output_dir=str(tmp_path / f"two-{m}")),
              "weights": str(tmp_path / f"two-{m}.safetensors")} for m, c in jobs.items()]
+    spec.insert(2, dict(spec[2], config=dict(spec[2]["config"], steps=1), weights=None))  # then resume
     (tmp_path / "jobs.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
     helper = Path(__file__).parent / "helpers" / "distributed_job.py"

@@ -1,9 +1,9 @@
 """Run training methods one after another as ranks of one torchrun job (the library API under
 torchrun, as a user's script would): ``torchrun --nproc-per-node N distributed_job.py JOBS.json``.
 
-``JOBS.json``: ``[{"method": NAME, "config": {...}, "weights": PATH}, ...]``. After each run,
-rank 0 writes the rollout copy of every trained DiT (what the trainer synced to it) to ``PATH``
-as safetensors, keyed ``<stage>.<parameter>``.
+``JOBS.json``: ``[{"method": NAME, "config": {...}, "weights": PATH or null}, ...]``. After each
+run with a ``weights`` path, rank 0 writes the rollout copy of every trained DiT (what the trainer
+synced to it) there as safetensors, keyed ``<stage>.<parameter>``.
 """
 
 import json
@@ -19,7 +19,7 @@ def main(jobs_file: str) -> None:
         method = get_method(job["method"])(job["config"])
         method.run(progress=False)
         stages = getattr(method, "stages", None) or [method.stage]
-        if method.dp.is_main:
+        if job["weights"] and method.dp.is_main:
             save_file({f"{s.name}.{k}": v.contiguous() for s in stages
                        for k, v in s.model.dit.state_dict().items()}, job["weights"])
 

@@ -107,18 +107,18 @@ def _add_lora(module: torch.nn.Module, lora: dict[str, Any]) -> None:
 class RunFiles:
     """Where a run writes: ``metrics.jsonl`` and ``checkpoints/`` under ``output_dir``.
 
-    :param writer: whether this process writes them (rank 0 of a data-parallel run; every rank
-        reads the checkpoint it resumes from).
+    :param dp: the run's ranks: rank 0 alone writes; every rank reads the checkpoint it resumes
+        from (under FSDP2 each rank then keeps its shard of it).
     """
 
     output_dir: Path | None
     checkpoint_every: int = 0
     metrics: MetricsWriter | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    writer: bool = True
+    dp: DataParallel = field(default_factory=DataParallel.single)
 
     def open(self, resumed_step: int) -> None:
-        if self.output_dir is None or not self.writer:
+        if self.output_dir is None or not self.dp.is_main:
             return
         path = self.output_dir / "metrics.jsonl"
         if resumed_step and path.is_file():  # drop lines past the checkpoint we resume from
@@ -137,8 +137,9 @@ class RunFiles:
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return None
-        state = load_checkpoint(path, {s.name: s.policy for s in stages},
-                                {s.name: s.optimizer for s in stages})
+        modules, optimizers = self.dp.checkpoint_views(stages, gather=False)
+        state = load_checkpoint(path, modules, optimizers)
+        self.dp.restore(stages, modules, optimizers)
         for s in stages:
             # the rollout copy (and every receiver of the plan) gets the restored weights under
             # the version they had
@@ -148,12 +149,13 @@ class RunFiles:
         return state
 
     def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any]) -> Path | None:
-        if (not self.checkpoint_every or self.checkpoint_dir is None or not self.writer
-                or step % self.checkpoint_every):
+        if not self.checkpoint_every or self.checkpoint_dir is None or step % self.checkpoint_every:
+            return None
+        modules, optimizers = self.dp.checkpoint_views(stages, gather=True)  # every rank
+        if not self.dp.is_main:
             return None
         return save_checkpoint(
-            self.checkpoint_dir, step, {s.name: s.policy for s in stages},
-            {s.name: s.optimizer for s in stages},
+            self.checkpoint_dir, step, modules, optimizers,
             {"sync_versions": {s.name: s.sync.version for s in stages},
              "weights_versions": {s.name: s.model.versions[s.sync.component] for s in stages},
              **extra})

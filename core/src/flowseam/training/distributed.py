@@ -295,12 +295,71 @@ class DataParallel:
         else:
             yield
 
+    # -- 5. checkpoints -------------------------------------------------------------------------
+    def checkpoint_views(self, stages: list[Any], gather: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``({name: module}, {name: optimizer})`` as the checkpoint functions read and fill them:
+        the stages' own policies and optimizers, or under FSDP2 whole copies of them — gathered
+        from every rank when ``gather`` (a collective: every rank calls it; rank 0 then holds
+        the whole trainable parameters and AdamW state, keyed by parameter name, on CPU), else
+        empty ones of the whole shapes to load a checkpoint into (then :meth:`restore`)."""
+        if not self.fsdp:
+            return {s.name: s.policy for s in stages}, {s.name: s.optimizer for s in stages}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        modules, optimizers = {}, {}
+        for s in stages:
+            if gather:
+                weights, optim = get_state_dict(s.policy, s.optimizer, options=StateDictOptions(
+                    full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+            else:
+                weights = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in s.policy.named_parameters()
+                           if p.requires_grad}
+                optim = None
+            modules[s.name], optimizers[s.name] = _WholeParameters(weights), _WholeOptimizerState(optim)
+        return modules, optimizers
+
+    def restore(self, stages: list[Any], modules: dict[str, Any], optimizers: dict[str, Any]) -> None:
+        """Under FSDP2, shard what a checkpoint loaded into :meth:`checkpoint_views` (every rank
+        loaded the whole state) into each stage's policy and optimizer; nothing otherwise."""
+        if not self.fsdp:
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        for s in stages:
+            set_state_dict(s.policy, s.optimizer, model_state_dict=modules[s.name].tensors,
+                           optim_state_dict=optimizers[s.name].state,
+                           options=StateDictOptions(full_state_dict=True, strict=False))
+
     def _device(self) -> torch.device:
         import torch.distributed as dist
 
         if torch.cuda.is_available() and dist.get_backend() != "gloo":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+class _WholeParameters:
+    """Whole trainable tensors by name, read and filled by the checkpoint functions as a module's
+    ``named_parameters()``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = {n: t.requires_grad_(True) for n, t in tensors.items()}
+
+    def named_parameters(self):
+        return iter(self.tensors.items())
+
+
+class _WholeOptimizerState:
+    """A whole (name-keyed) optimizer state dict, saved and loaded as an optimizer's."""
+
+    def __init__(self, state: dict[str, Any] | None) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = state
 
 
 #: the ``[distributed]`` config table every method accepts
@@ -311,22 +370,11 @@ def data_parallel(config: dict[str, Any]) -> DataParallel:
     """This process's :class:`DataParallel` for a method's ``config`` (its ``[distributed]``
     table: ``fsdp``), before any model loads.
 
-    :raises FlowseamError: for unknown keys, ``fsdp`` on one process, or ``fsdp`` with checkpoints
-        (``checkpoint_every`` > 0, or a checkpoint to resume from in ``output_dir``): saving and
-        restoring sharded optimizer state is not implemented yet.
+    :raises FlowseamError: for unknown keys, or ``fsdp`` on one process.
     """
-    from pathlib import Path
-
     from .config import section
 
-    options = section(config, "distributed", DISTRIBUTED_DEFAULTS)
-    if options["fsdp"]:
-        resumable = config.get("output_dir") and (Path(config["output_dir"]) / "checkpoints" / "latest").exists()
-        if config.get("checkpoint_every") or resumable:
-            raise FlowseamError("fsdp = true with checkpoints (checkpoint_every > 0, or resuming from "
-                                f"{config.get('output_dir')}) is not implemented yet: use DDP "
-                                "(fsdp = false) or checkpoint_every = 0 and a new output_dir")
-    return DataParallel.from_env(**options)
+    return DataParallel.from_env(**section(config, "distributed", DISTRIBUTED_DEFAULTS))
 
 
 def full_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -158,7 +158,7 @@ class Finetune:
         self.stage = Stage.create("dit", model, self.optim, section(cfg, "lora", LORA_DEFAULTS),
                                   with_reference=False, dp=self.dp)
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"], writer=self.dp.is_main)
+                              cfg["checkpoint_every"], dp=self.dp)
         self.step = 0
         self.progress = True
         self.examples: list[Example] | None = None  # filled by prepare()

@@ -149,7 +149,7 @@ class FlowGRPO:
         self.stage = Stage.create("dit", model, optim, lora, with_reference=self.grpo.beta > 0,
                                   dp=self.dp)
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"], writer=self.dp.is_main)
+                              cfg["checkpoint_every"], dp=self.dp)
         self.fleet = fleet_from_config(model, ray_options, lora, self.reward)
         if self.fleet is not None:  # the fleet receives every weights version from now on
             self.stage.sync.receivers.append(self.fleet)

@@ -109,7 +109,7 @@ class WorkflowRL:
                        for name, model in (("t2i", self.t2i), ("i2v", self.i2v))]
         self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"], writer=self.dp.is_main)
+                              cfg["checkpoint_every"], dp=self.dp)
         self.step = 0
         self.progress = True
         self.skipped_groups = 0
