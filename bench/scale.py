@@ -11,11 +11,11 @@ frames at 64x64, ``--steps`` denoising steps, CFG 5.0.
    serialization + sha256) and to push it to the 2-worker fleet (object store, checksum check,
    copy into each worker's DiT); and the serialization + sha256 rate (GB/s) on a 256 MiB
    state dict, which docs/scaling.md scales to 1.3B and 14B models.
-3. Training steps (flowgrpo, group of ``--group`` samples): ``flowseam train`` on 1 process
-   (torch's default threads: the whole machine), ``--nproc 2`` (gloo, 1 thread per rank), and
-   one process driving a 2-worker Ray fleet; median seconds per step after the first (from each
-   run's metrics.jsonl, rank 0's clock), and for the fleet the share of the step spent pushing
-   weights (``seconds_sync``).
+3. Training steps (flowgrpo, group of ``--group`` samples), each a ``flowseam train`` process:
+   1 process with 1 and with 2 torch threads, ``--nproc 2`` (gloo, 1 thread per rank), and one
+   process (1 thread) driving a 2-worker Ray fleet (``[ray] rollout_workers = 2``); median seconds
+   per step after the first (from each run's metrics.jsonl, rank 0's clock), and for the fleet
+   the share of the step spent pushing weights (``seconds_sync``).
 
 Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/scale.py [--samples 8] [--repeats 3]
 """
@@ -23,6 +23,7 @@ Run: RAY_AUTH_MODE=disabled .venv/bin/python bench/scale.py [--samples 8] [--rep
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -78,16 +79,16 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=9)
     ap.add_argument("--group", type=int, default=4, help="flowgrpo group size")
     ap.add_argument("--train-steps", type=int, default=4)
+    ap.add_argument("--only", choices=("rollout", "push", "train"), help="run one part (1, 2 or 3)")
     args = ap.parse_args()
+    run = {"rollout", "push", "train"} if args.only is None else {args.only}
 
     import diffusers
     import ray
 
     import flowseam
-    from flowseam.loops import ExecutionProfile, run_loop
     from flowseam.testing.tiny import write_tiny_checkpoint
     from flowseam.training.fleet import RolloutFleet
-    from flowseam.training.flowgrpo import FlowGRPO
     from flowseam.training.weight_sync import WeightRole, WeightUpdate
 
     diffusers.utils.logging.set_verbosity_error()
@@ -103,12 +104,27 @@ def main() -> None:
     print(f"model: Wan2.1 T2V 4 layers x 128 ({sum(p.numel() for p in model.dit.parameters()) / 1e6:.2f} M "
           f"DiT parameters), SDE rollouts of {args.frames} frames 64x64, {args.steps} steps, CFG 5.0")
 
-    # -- 1. rollout throughput -----------------------------------------------------------------
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 3 actors, 2 busy at once
-    fleets = {n: RolloutFleet(model, n, num_cpus=1) for n in (1, 2)}
+    fleets = {n: RolloutFleet(model, n, num_cpus=1) for n in (1, 2)} if run & {"rollout", "push"} else {}
     update = WeightUpdate.of(model.dit, model.DIT, WeightRole.STUDENT, 0)
     for fleet in fleets.values():
         fleet.push(update)
+    if "rollout" in run:
+        rollout_throughput(model, params, fleets, args)
+    if "push" in run:
+        weight_push(model, update, fleets[2])
+    for fleet in fleets.values():
+        fleet.shutdown()
+    ray.shutdown()  # the fleet run of part 3 starts its own Ray, as `flowseam train` does
+    if "train" in run:
+        training_steps(ckpt, root, args)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+def rollout_throughput(model, params, fleets, args) -> None:
+    """1. The same rollouts in-process (1 thread), on 1 and on 2 Ray workers, alternating."""
+    from flowseam.loops import ExecutionProfile, run_loop
+
     threads = torch.get_num_threads()
 
     def in_process(step):
@@ -119,70 +135,96 @@ def main() -> None:
         finally:
             torch.set_num_threads(threads)
 
-    contenders = {"in-process, 1 thread": in_process,
-                  "Ray, 1 worker": lambda step: fleets[1].rollout(rollout_requests(1, args.samples, params, step)),
-                  "Ray, 2 workers": lambda step: fleets[2].rollout(rollout_requests(2, args.samples, params, step))}
-    for fn in contenders.values():  # warm-up
+    contenders = {"in-process, 1 thread": (in_process, None),
+                  "Ray, 1 worker": (lambda step: fleets[1].rollout(rollout_requests(1, args.samples, params, step)),
+                                    fleets[1]),
+                  "Ray, 2 workers": (lambda step: fleets[2].rollout(rollout_requests(2, args.samples, params, step)),
+                                     fleets[2])}
+
+    def cpu_seconds(fleet):  # CPU time of whoever rolls out
+        return time.process_time() if fleet is None else sum(d["cpu_seconds"] for d in fleet.describe())
+
+    for fn, _ in contenders.values():  # warm-up
         fn(0)
     times = {name: [] for name in contenders}
+    cpu = {name: [] for name in contenders}
     order = list(contenders)
     for r in range(args.repeats):
         order.reverse()
         for name in order:
-            times[name].append(timed(lambda: contenders[name](r + 1)))
+            fn, fleet = contenders[name]
+            c0 = cpu_seconds(fleet)
+            times[name].append(timed(lambda: fn(r + 1)))
+            cpu[name].append(cpu_seconds(fleet) - c0)
     print(f"\n1. rollout throughput, {args.samples} samples per round, {args.repeats} rounds (median):")
     base = None
     for name in contenders:
         med = statistics.median(times[name])
         rate = args.samples / med
         base = base or rate
+        per = statistics.median(cpu[name]) / args.samples
         print(f"  {name:<22} {med:7.2f} s  {rate:6.2f} samples/s  x{rate / base:.2f}  "
-              f"(rounds: {', '.join(f'{t:.2f}' for t in times[name])})")
+              f"CPU {per:.2f} s/sample  (rounds: {', '.join(f'{t:.2f}' for t in times[name])})")
+    print("  (CPU s/sample: the rollers' own CPU time, which other jobs on the machine do not inflate;"
+          " on idle cores N workers would reach N / that samples/s)")
 
-    # -- 2. weight push ---------------------------------------------------------------------------
+
+def weight_push(model, update, fleet) -> None:
+    """2. Building a WeightUpdate of the DiT and pushing it to a fleet; serialization and sha256
+    rates on a 256 MiB state dict."""
+    from safetensors.torch import save as save_safetensors
+
+    from flowseam.training.weight_sync import WeightRole, WeightUpdate
+
     build = [timed(lambda: WeightUpdate.of(model.dit, model.DIT, WeightRole.STUDENT, 1)) for _ in range(3)]
-    push = [timed(lambda: fleets[2].push(update)) for _ in range(3)]
+    push = [timed(lambda: fleet.push(update)) for _ in range(3)]
     big = {f"w{i}": torch.randn(4096, 4096) for i in range(4)}  # 256 MiB of float32
-
-    class Holder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            for k, v in big.items():
-                self.register_buffer(k, v)
-
-    holder = Holder()
-    rate = [256 / 1024 / timed(lambda: WeightUpdate.of(holder, "x", WeightRole.STUDENT, 1)) for _ in range(3)]
+    holder = torch.nn.Module()
+    for k, v in big.items():
+        holder.register_buffer(k, v)
+    rate, cpu_rate, parts = [], [], {"safetensors": [], "sha256": []}
+    for _ in range(3):
+        c0 = time.process_time()
+        rate.append(256 / 1024 / timed(lambda: WeightUpdate.of(holder, "x", WeightRole.STUDENT, 1)))
+        c1 = time.process_time()
+        data = save_safetensors(big)
+        c2 = time.process_time()
+        hashlib.sha256(data).hexdigest()
+        c3 = time.process_time()
+        cpu_rate.append(256 / 1024 / (c1 - c0))
+        parts["safetensors"].append(256 / 1024 / (c2 - c1))
+        parts["sha256"].append(256 / 1024 / (c3 - c2))
     print(f"\n2. weight push: one update of the DiT = {len(update.data) / 2**20:.2f} MiB; build "
           f"(safetensors + sha256) median {statistics.median(build) * 1e3:.1f} ms; push to 2 workers "
           f"(object store, verify, apply) median {statistics.median(push) * 1e3:.1f} ms")
-    print(f"  safetensors + sha256 of a 256 MiB state dict: median {statistics.median(rate):.2f} GB/s")
-    for fleet in fleets.values():
-        fleet.shutdown()
+    print(f"  safetensors + sha256 of a 256 MiB state dict: median {statistics.median(rate):.2f} GB/s "
+          f"(wall), {statistics.median(cpu_rate):.2f} GB per CPU second (safetensors alone "
+          f"{statistics.median(parts['safetensors']):.2f}, sha256 alone {statistics.median(parts['sha256']):.2f})")
 
-    # -- 3. training steps ------------------------------------------------------------------------
+
+def training_steps(ckpt: Path, root: Path, args) -> None:
+    """3. flowgrpo steps as `flowseam train` processes: 1 process (1 and 2 threads), 2 gloo
+    ranks, 1 process driving 2 Ray workers."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
     runs = {}
-    for name, nproc in (("1 process", None), ("2 ranks (gloo)", 2)):
-        out = root / name.split()[0]
-        cfg = train_config(ckpt, out, args)
-        argv = [sys.executable, "-m", "flowseam", "train", "--method", "flowgrpo", "--config", str(cfg)]
+    for name, threads, nproc, extra in (
+            ("1 process, 1 thread", 1, None, {}),
+            ("1 process, 2 threads", 2, None, {}),
+            ("2 ranks (gloo), 1 thread each", 1, 2, {}),
+            ("1 process + 2 Ray workers", 1, None, {"ray": {"rollout_workers": 2}})):
+        out = root / f"run{len(runs)}"
+        argv = [sys.executable, "-m", "flowseam", "train", "--method", "flowgrpo",
+                "--config", str(train_config(ckpt, out, args, **extra))]
         argv += ["--nproc", str(nproc)] if nproc else []
-        subprocess.run(argv, check=True, env=env, capture_output=True)
+        subprocess.run(argv, check=True, env={**env, "OMP_NUM_THREADS": str(threads)}, capture_output=True)
         runs[name] = step_seconds(out / "metrics.jsonl")
-    cfg = json.loads(train_config(ckpt, root / "fleet", args).read_text())
-    cfg["ray"] = {"rollout_workers": 2}
-    trainer = FlowGRPO(cfg)
-    trainer.run(progress=False)
-    trainer.close()
-    runs["1 process + 2 Ray workers"] = step_seconds(root / "fleet" / "metrics.jsonl")
     print(f"\n3. flowgrpo step, group of {args.group}, {args.train_steps} steps (median after the first):")
-    one = runs["1 process"][0]
+    one = runs["1 process, 1 thread"][0]
     for name, (total, phases) in runs.items():
         parts = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-        print(f"  {name:<28} {total:7.2f} s/step  x{one / total:.2f} vs 1 process  ({parts})")
+        print(f"  {name:<30} {total:7.2f} s/step  x{one / total:.2f} vs 1 process, 1 thread  ({parts})")
     total, phases = runs["1 process + 2 Ray workers"]
     print(f"  weight push share of the fleet's step: {phases.get('sync', 0.0) / total:.1%}")
-    print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ def _same_step(local, remote):
     return a, b
 
 
+@pytest.mark.slow  # a local Ray and 3 actors
 def test_fleet_step_equals_the_in_process_step(trainers):
     """Two rollout actors built from the driver's frozen Platform (no plugin discovery), rewards
     in their own actor: one flowgrpo step equals the same step run in-process."""
@@ -131,6 +132,7 @@ def test_fleet_step_equals_the_in_process_step(trainers):
     assert remote.fleet.stats["rerun"] == before["rerun"]
 
 
+@pytest.mark.slow  # a local Ray and 3 actors
 def test_a_stale_worker_is_detected_and_never_used(trainers):
     """A worker that holds an older version (here: other weights under version - 1) refuses to
     roll out; the fleet pushes it the current weights and reruns, so the step still equals the
@@ -158,6 +160,7 @@ def test_a_stale_worker_is_detected_and_never_used(trainers):
     assert fleet.stats["stale"] - stale == 1  # worker 1's share was refused, then rerun
 
 
+@pytest.mark.slow  # a local Ray and 3 actors
 def test_a_worker_killed_during_a_step_is_replaced_and_its_share_rerun(trainers, monkeypatch):
     """SIGKILL one rollout actor right after the step's first share went to it: a new actor takes
     its placement bundle, receives the current weights, reruns what the dead one held; the step
@@ -186,3 +189,15 @@ def test_a_worker_killed_during_a_step_is_replaced_and_its_share_rerun(trainers,
     assert replacement["pid"] != victim and replacement["discovered_plugins"] is False
     assert fleet._ray.get(fleet.workers[0].apply.remote(fleet._updates["transformer"])) == \
         fleet.versions["transformer"]
+
+
+@pytest.mark.slow  # a local Ray and 3 actors
+def test_fleet_refuses_what_the_cluster_cannot_hold(trainers):
+    from flowseam import FlowseamError
+    from flowseam.training.fleet import RolloutFleet
+
+    _, remote = trainers
+    with pytest.raises(FlowseamError, match=r"5 rollout workers of \{'CPU': 1\} need \{'CPU': 5\}"):
+        RolloutFleet(remote.model, 5)
+    with pytest.raises(FlowseamError, match="placement='EVERYWHERE'; allowed: PACK"):
+        RolloutFleet(remote.model, 1, placement="EVERYWHERE")

@@ -236,12 +236,6 @@ class DataParallel:
         dist.broadcast_object_list(objs, src=0)
         return objs
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
     # -- 4. gradients --------------------------------------------------------------------------
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module an update runs its forward and backward through.
@@ -266,8 +260,6 @@ class DataParallel:
             # flowseam never modifies a velocity in place, the case this warning is about
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
             return fully_shard(module, mesh=mesh)
-        if not any(p.requires_grad for p in module.parameters()):
-            return module  # a frozen module (the KL reference) is replicated, never reduced
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self._device().index] if self._device().type == "cuda" else None
@@ -405,7 +397,8 @@ def state_checksum(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy())  # its own bytes, not a copy
     return h.hexdigest()
 
 

@@ -89,12 +89,15 @@ class RolloutWorker:
         self.versions: dict[str, int] = {}
 
     def describe(self) -> dict[str, Any]:
-        """Where and how this worker runs: pid, torch threads, the rebuilt platform's dict, and
-        whether this process ever scanned the plugin entry points."""
+        """Where and how this worker runs: pid, torch threads, CPU seconds used so far, the
+        rebuilt platform's dict, and whether this process ever scanned the plugin entry points."""
+        import time
+
         from .. import plugins
 
         return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
-                "platform": self.platform.to_dict(), "discovered_plugins": plugins._CACHE is not None}
+                "cpu_seconds": time.process_time(), "platform": self.platform.to_dict(),
+                "discovered_plugins": plugins._CACHE is not None}
 
     def apply(self, update: "WeightUpdate") -> int:
         """Verify and apply one weight update; returns the version now held."""
@@ -166,10 +169,10 @@ class RolloutFleet:
         run in ``reward_workers`` actors of ``reward_num_cpus``/``reward_num_gpus`` each; with 0
         reward workers the trainer scores in its own process.
     :param torch_threads: torch threads per rollout worker (default ``num_cpus``).
-    :param max_replacements: how many dead workers one :meth:`rollout` call replaces before it
-        gives up (a crash loop is a bug to report, not to retry forever).
-    :raises FlowseamError: for invalid sizes, a model without a checkpoint directory, or Ray not
-        initialised / not installed.
+    :param max_replacements: how many dead rollout workers the fleet replaces over its life
+        before it gives up (a crash loop is a bug to report, not to retry forever).
+    :raises FlowseamError: for invalid sizes, a model without a checkpoint directory, Ray not
+        initialised / not installed, or more resources than the Ray cluster has.
     """
 
     def __init__(self, model: "ModelInstance", workers: int, *, lora: dict[str, Any] | None = None,
@@ -197,8 +200,17 @@ class RolloutFleet:
         self._args = (model.platform.to_dict(), str(model.path), dict(lora or {}),
                       torch_threads or max(1, int(num_cpus)))
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+        have = ray.cluster_resources()
+        short = {k: v * workers for k, v in bundle.items() if v * workers > have.get(k, 0)}
+        if short:
+            raise FlowseamError(f"{workers} rollout workers of {bundle} need {short}; the Ray cluster "
+                                f"has {({k: have.get(k, 0) for k in bundle})}")
         self._pg = placement_group([bundle] * workers, strategy=placement)
-        ray.get(self._pg.ready())
+        try:
+            ray.get(self._pg.ready(), timeout=600)
+        except ray.exceptions.GetTimeoutError:
+            raise FlowseamError(f"Ray could not place {workers} bundles of {bundle} with strategy "
+                                f"{placement} within 10 minutes (cluster: {have})") from None
         self._worker_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RolloutWorker)
         self.workers = [self._spawn(i) for i in range(workers)]
         self._reward_cls = ray.remote(num_cpus=reward_num_cpus, num_gpus=reward_num_gpus)(RewardWorker)

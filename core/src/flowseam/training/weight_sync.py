@@ -132,8 +132,8 @@ class WeightUpdate:
     def of(cls, module: torch.nn.Module, component: str, role: WeightRole, version: int) -> "WeightUpdate":
         from safetensors.torch import save
 
-        data = save({k: v.contiguous() for k, v in full_state(module).items()
-                     if k in module.state_dict()})
+        keys = module.state_dict().keys()  # parameters and persistent buffers
+        data = save({k: v.contiguous() for k, v in full_state(module).items() if k in keys})
         return cls(component, WeightRole(role), version, hashlib.sha256(data).hexdigest(), data)
 
     def verify(self) -> None:
