@@ -56,11 +56,46 @@ class PeakRSS:
         self.growth = self.peak - self.start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """``--repeats``, ``--backend``, ``--steps``: the options every flowseam-vs-peer benchmark has."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=steps)
+    return ap
+
+
+def alternate(contenders: dict, repeats: int) -> tuple[dict, dict]:
+    """Run every ``contenders[name]()`` ``repeats`` times, alternating who goes first (allocator
+    reuse favours the second); returns ``(seconds, peak RSS growth in bytes)`` per name."""
+    times = {name: [] for name in contenders}
+    peaks = {name: [] for name in contenders}
+    order = list(contenders.items())
+    for _ in range(repeats):
+        order.reverse()
+        for name, fn in order:
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+            peaks[name].append(mem.growth)
+    return times, peaks
+
+
+def report(times: dict, peaks: dict, goal: float) -> None:
+    """One line per contender (median, every run, peak RSS growth), then the ratio of the first
+    to the second."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name in times:
+        print(f"  {name:<10} median {med[name]:.3f} s  (runs: "
+              f"{', '.join(f'{t:.3f}' for t in times[name])}); peak RSS growth "
+              f"{max(peaks[name]) / 2**20:.1f} MiB")
+    first, second = list(times)
+    print(f"  ratio {first}/{second} = {med[first] / med[second]:.3f}  (goal <= {goal})")
+
+
+def main() -> None:
+    ap = bench_parser(__doc__, steps=10)
     ap.add_argument("--scheduler", choices=("euler", "unipc"), default="euler")
     args = ap.parse_args()
     scheduler_class = {"euler": "FlowMatchEulerDiscreteScheduler",
@@ -95,26 +130,11 @@ def main() -> None:
                     generator=torch.Generator().manual_seed(0), output_type="np").frames
 
     ours, theirs = run_flowseam(), run_diffusers()  # warm-up (and parity)
-    times = {"flowseam": [], "diffusers": []}
-    peaks = {"flowseam": [], "diffusers": []}
-    order = [("flowseam", run_flowseam), ("diffusers", run_diffusers)]
-    for _ in range(args.repeats):
-        order.reverse()  # alternate who goes first (allocator reuse favours the second)
-        for name, fn in order:
-            with PeakRSS() as mem:
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-            peaks[name].append(mem.growth)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    times, peaks = alternate({"flowseam": run_flowseam, "diffusers": run_diffusers}, args.repeats)
     print(f"Wan2.1 T2V, 4 layers x width 128, {F} frames {H}x{W}, {args.steps} steps, CFG 5.0; "
           f"{scheduler_class}; backend {args.backend}; torch threads {torch.get_num_threads()}")
     print(f"  {model.solver.describe()}")
-    for name in ("flowseam", "diffusers"):
-        print(f"  {name:<10} median {med[name]:.3f} s  (runs: "
-              f"{', '.join(f'{t:.3f}' for t in times[name])}); peak RSS growth "
-              f"{max(peaks[name]) / 2**20:.1f} MiB")
-    print(f"  ratio flowseam/diffusers = {med['flowseam'] / med['diffusers']:.3f}  (goal <= 1.0)")
+    report(times, peaks, goal=1.0)
     print(f"  max |flowseam - diffusers| = {np.abs(ours - theirs).max():.2e}")
 
 

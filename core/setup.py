@@ -47,6 +47,9 @@ setup(
         "uvicorn>=0.29",
         "python-multipart>=0.0.9",
         "prometheus-client>=0.20",
+        # PyAV (its wheels ship ffmpeg with libx264 and AAC): MP4s with a sound track, and the
+        # H.264 re-compression of LTX-2's image-to-video condition
+        "av>=14",
         _plugin("cpu", "flowseam-cpu"),
     ],
     extras_require={

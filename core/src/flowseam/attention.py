@@ -1,9 +1,10 @@
 """Route every attention call of a diffusers transformer through the platform's ``attention`` op.
 
-diffusers' own attention processors (``WanAttnProcessor``, ``FluxAttnProcessor``, ...) do the
-projections, norms, rotary embeddings and output projections; with the ``native`` backend they
-end in one ``torch.nn.functional.scaled_dot_product_attention`` call on ``(B, heads, seq, dim)``
-tensors — exactly the layout of flowseam's ``attention`` contract. :func:`route_attention`
+diffusers' own attention processors (``WanAttnProcessor``, ``FluxAttnProcessor``,
+``LTX2AudioVideoAttnProcessor``, ...) do the projections, norms, rotary embeddings and output
+projections; with the ``native`` backend they end in one
+``torch.nn.functional.scaled_dot_product_attention`` call on ``(B, heads, seq, dim)`` tensors —
+exactly the layout of flowseam's ``attention`` contract. :func:`route_attention`
 installs, through diffusers' public ``set_attention_backend`` / ``set_attn_processor`` API, a
 small processor that runs the stock processor unchanged inside a
 ``torch.overrides.TorchFunctionMode`` which sends that one SDPA call to the resolved kernel. No
@@ -22,6 +23,8 @@ which diffusers 0.42 does not have (its backend registry is private).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -59,6 +62,12 @@ class _SDPARoute(TorchFunctionMode):
 class RoutedAttnProcessor:
     """Runs a model's own attention processor; only its SDPA call goes to ``attn``.
 
+    Every argument is passed to the inner processor as the attention module gave it (Wan's and
+    Flux's processors take ``rotary_emb``, LTX-2's ``query_rotary_emb``/``key_rotary_emb`` and,
+    for STG blocks, ``perturbation_mask``). Build it with :func:`routed_processor`, whose class
+    has the inner processor's ``__call__`` signature: diffusers' attention modules read that
+    signature to decide which keyword arguments to pass (LTX2Attention drops the others).
+
     :raises RuntimeError: if the inner processor did not call SDPA (a non-native backend would
         silently bypass the seam).
     """
@@ -68,29 +77,43 @@ class RoutedAttnProcessor:
         self._mode = _SDPARoute(attn)
         self.check_calls = check_calls
 
-    def __call__(self, attn_module, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 rotary_emb=None, **kwargs):
+    def __call__(self, attn_module, *args, **kwargs):
         before = self._mode.calls
         with self._mode:
-            out = self.inner(attn_module, hidden_states, encoder_hidden_states, attention_mask,
-                             rotary_emb, **kwargs)
+            out = self.inner(attn_module, *args, **kwargs)
         if self.check_calls and self._mode.calls == before and not torch.compiler.is_compiling():
             raise RuntimeError(f"{type(self.inner).__name__} did not call scaled_dot_product_attention;"
                                " its attention was not routed through the platform")
         return out
 
 
+@functools.cache
+def _routed_class(inner_cls: type) -> type:
+    """A :class:`RoutedAttnProcessor` subclass whose ``__call__`` signature is ``inner_cls``'s."""
+    def __call__(self, *args, **kwargs):
+        return RoutedAttnProcessor.__call__(self, *args, **kwargs)
+
+    __call__.__signature__ = inspect.signature(inner_cls.__call__)
+    return type(f"Routed{inner_cls.__name__}", (RoutedAttnProcessor,), {"__call__": __call__})
+
+
+def routed_processor(inner: Any, attn: Callable, check_calls: bool = True) -> RoutedAttnProcessor:
+    """``inner`` (a diffusers attention processor) with its SDPA call sent to ``attn``
+    (``check_calls``: see :class:`RoutedAttnProcessor`)."""
+    return _routed_class(type(inner))(inner, attn, check_calls)
+
+
 def route_attention(model: Any, attn: Callable) -> Callable[[], None]:
     """Send every attention call of diffusers ``model`` (a ``ModelMixin`` with attention
-    processors: WanTransformer3DModel, FluxTransformer2DModel, ...) to ``attn(q, k, v,
-    attn_mask=None, scale=None)`` with q/k/v ``(B, heads, seq, head_dim)``.
+    processors: WanTransformer3DModel, FluxTransformer2DModel, LTX2VideoTransformer3DModel, ...)
+    to ``attn(q, k, v, attn_mask=None, scale=None)`` with q/k/v ``(B, heads, seq, head_dim)``.
 
     :returns: a callable that restores the model's original processors.
     """
     original = dict(model.attn_processors)
     check = not is_compiled(model)
     model.set_attention_backend("native")
-    model.set_attn_processor({name: RoutedAttnProcessor(p, attn, check) for name, p in original.items()})
+    model.set_attn_processor({name: routed_processor(p, attn, check) for name, p in original.items()})
     return lambda: model.set_attn_processor(original)
 
 

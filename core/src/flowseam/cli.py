@@ -44,9 +44,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stream and (suffix != ".mp4" or args.workflow is not None):
         raise ValueError(f"--stream writes one model's video progressively as .mp4; got --output "
                          f"{args.output}" + (f" and --workflow {args.workflow}" if args.workflow else ""))
-    if suffix not in media.IMAGE_SUFFIXES + media.VIDEO_SUFFIXES:
+    if suffix not in media.IMAGE_SUFFIXES + media.VIDEO_SUFFIXES + media.AUDIO_SUFFIXES:
         raise ValueError(f"--output {args.output}: unsupported suffix {suffix!r}; use .png for "
-                         "images, .mp4 or .gif for videos")
+                         "images, .mp4 or .gif for videos, .wav for the sound alone")
+    if args.fps is not None and not args.fps > 0:
+        raise ValueError(f"--fps {args.fps} must be > 0 frames per second")
     if args.image is not None and not Path(args.image).is_file():
         raise ValueError(f"--image {args.image} does not exist")
     if args.workflow is not None:
@@ -61,7 +63,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              height=args.height, width=args.width, num_frames=args.frames,
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
                              chunk_frames=args.chunk_frames, local_attn_size=args.local_attn_size,
-                             sink_size=args.sink_size, guidance_scale_2=args.guidance_2)
+                             sink_size=args.sink_size, guidance_scale_2=args.guidance_2,
+                             stages=args.stages, audio_guidance_scale=args.audio_guidance)
     ignore = tuple(args.ignore_scheduler_option or ())
     backends = args.backend or [None]
     if len(backends) > (2 if args.workflow else 1):
@@ -73,9 +76,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # each stage keeps its own platform resolution (a second --backend sets stage 2's)
         t2i = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
         i2v = load(args.model[1], platform=platforms[-1], ignore_scheduler_options=ignore)
+        _check_sound(args.output, suffix, i2v)
         workflow = WORKFLOWS[args.workflow](t2i, i2v)
         image_params, video_params = workflow.stage_params(params)
-        result = workflow.run(args.prompt, t2i_params=image_params, i2v_params=video_params,
+        result = workflow.run(args.prompt, t2i_params=image_params,
+                              i2v_params=_with_frame_rate(video_params, i2v, args.fps),
                               seed=args.seed, progress=True)
         frames, models, runs = result.frames, [t2i, i2v], result.stages
     elif args.stream:
@@ -83,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.image is not None:
             raise ValueError("--stream generates from text; --image is for image-to-video")
         chunks = model.generate_stream(args.prompt, params=params)  # refuses a non-causal model
-        with media.StreamingVideoWriter(args.output, fps=args.fps) as writer:
+        with media.StreamingVideoWriter(args.output, fps=args.fps or 8) as writer:
             for chunk in chunks:
                 writer.write(chunk.frames[0])
                 if chunk.index == 0:
@@ -98,18 +103,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     else:
         model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
-        result = model.generate(args.prompt, image=args.image, params=params, progress=True)
+        _check_sound(args.output, suffix, model)
+        result = model.generate(args.prompt, image=args.image,
+                                params=_with_frame_rate(params, model, args.fps), progress=True)
         frames, models, runs = result.frames, [model], [result]
+    stage = result.stages[-1] if args.workflow is not None else result
     if frames.shape[1] > 1 and suffix in media.IMAGE_SUFFIXES:
         raise ValueError(f"--output {args.output}: this request makes a {frames.shape[1]}-frame "
                          "video; use .mp4 or .gif")
-    media.write_output(args.output, frames[0], fps=args.fps)
+    audio = stage.audio[0] if stage.audio is not None else None
+    if audio is not None and suffix == ".gif":
+        print("flowseam: note: a GIF has no audio track; the audio is dropped (use .mp4 for video "
+              "with sound, or .wav for the sound alone)", file=sys.stderr)
+        audio = None
+    fps = args.fps or stage.params.frame_rate or 8
+    media.write_output(args.output, frames[0], fps=fps, audio=audio, sample_rate=stage.sample_rate)
     seconds = time.perf_counter() - started
+    what = (f"{audio.shape[1] / stage.sample_rate:.2f} s of {audio.shape[0]}-channel audio at "
+            f"{stage.sample_rate} Hz" if suffix in media.AUDIO_SUFFIXES else
+            f"{frames.shape[1]} frame(s) of {frames.shape[2]}x{frames.shape[3]}"
+            + (f" with {audio.shape[0]}-channel AAC audio" if audio is not None else ""))
     # one line: the output, then per model where its parts came from and the solver that ran
-    print(f"wrote {args.output} ({frames.shape[1]} frame(s) of {frames.shape[2]}x{frames.shape[3]}) "
-          f"in {seconds:.2f} s | " + " | ".join(f"{m.provenance(solver=False)}; {r.solver or m.solver_line()}"
-                                                for m, r in zip(models, runs)))
+    print(f"wrote {args.output} ({what}) in {seconds:.2f} s | "
+          + " | ".join(f"{m.provenance(solver=False)}; {r.solver or m.solver_line()}"
+                       for m, r in zip(models, runs)))
     return 0
+
+
+def _check_sound(output: str, suffix: str, model) -> None:
+    """A ``.wav`` output needs a model that makes sound (raised before generating)."""
+    from . import media
+
+    if suffix in media.AUDIO_SUFFIXES and not model.card.audio:
+        raise ValueError(f"--output {output}: {model.card.name} makes no sound; use .png, .mp4 "
+                         "or .gif")
+
+
+def _with_frame_rate(params, model, fps: float | None):
+    """``--fps`` is a generation parameter for cards that take one (LTX-2), else playback only."""
+    return params.replace(frame_rate=fps) if "frame_rate" in model.card.defaults else params
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -239,11 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frames", type=int, help="video length in frames (Wan: 4k+1)")
     g.add_argument("--height", type=int, help="pixels")
     g.add_argument("--width", type=int, help="pixels")
-    g.add_argument("--fps", type=int, default=8, help="frames per second of a written video")
+    g.add_argument("--fps", type=float,
+                   help="frames per second of a written video (default 8; LTX-2 generates for "
+                        "this frame rate, its card default 24)")
+    g.add_argument("--stages", type=int, choices=(1, 2),
+                   help="LTX-2: 1 = generate at --height x --width; 2 (default) = half size, "
+                        "latent upsample x2, refine")
+    g.add_argument("--audio-guidance", type=float, help="LTX-2: CFG scale of the audio")
     g.add_argument("--backend", action="append",
                    help="backend name (default: the highest-priority available); with --workflow, "
                         "give it twice to choose each stage's backend")
-    g.add_argument("--output", required=True, help=".png for images, .mp4 or .gif for videos")
+    g.add_argument("--output", required=True,
+                   help=".png for images, .mp4 or .gif for videos (an LTX-2 .mp4 has an AAC "
+                        "sound track; a .gif drops it), .wav for the sound alone")
     g.add_argument("--stream", action="store_true",
                    help="causal checkpoints: write the .mp4 chunk by chunk as it is generated "
                         "(playable while written) and print the time to the first chunk")

@@ -9,8 +9,19 @@ from typing import Any
 
 from .errors import FlowseamError
 
-#: Component kinds flowseam's cards use. Cards may add others (e.g. ``"image_encoder"``).
-KINDS = ("dit", "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor")
+#: Component kinds flowseam's cards use; a backend declares the ones it builds
+#: (``flowseam_component_kinds``) and every other kind falls back to cpu:
+#:
+#: * ``dit``: the denoiser (velocity prediction; LTX-2's denoises video and audio together);
+#: * ``vae``: the (video/image) autoencoder; ``text_encoder`` and ``tokenizer``;
+#: * ``image_encoder``, ``image_processor``: Wan I2V's CLIP image conditioning;
+#: * ``text_connectors``: LTX-2's ``LTX2TextConnectors`` (text encoder hidden states → one
+#:   embedding per modality);
+#: * ``audio_vae``: LTX-2's audio autoencoder (latents ↔ mel spectrogram);
+#: * ``vocoder``: mel spectrogram → waveform (LTX-2's ``LTX2Vocoder``);
+#: * ``latent_upsampler``: LTX-2's ``LTX2LatentUpsamplerModel`` (video latents x2 spatially).
+KINDS = ("dit", "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor",
+         "text_connectors", "audio_vae", "vocoder", "latent_upsampler")
 
 
 @dataclass(frozen=True)

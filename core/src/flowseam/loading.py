@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -56,8 +57,8 @@ def read_json(path: Path) -> dict[str, Any]:
 def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
          ignore_scheduler_options: Iterable[str] = (), quiet: bool = False) -> ModelInstance:
     """Load a diffusers-format checkpoint (WanPipeline, WanImageToVideoPipeline, Wan2.2's
-    two-expert layouts of both, FluxPipeline, or flowseam's causal Wan layout) into a flowseam model
-    instance.
+    two-expert layouts of both, FluxPipeline, LTX2Pipeline, LTX2ImageToVideoPipeline, or
+    flowseam's causal Wan layout) into a flowseam model instance.
 
     The card is chosen from ``model_index.json``; the solver from
     ``scheduler/scheduler_config.json`` (:mod:`flowseam.schedulers`: the checkpoint's settings
@@ -76,7 +77,9 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     :param ignore_scheduler_options: scheduler_config.json keys (or ``"_class_name"``) that
         flowseam does not implement, to ignore with a warning instead of refusing them.
     :raises FlowseamError: for a missing directory, an unreachable hub, a missing or corrupt
-        checkpoint file, a layout or scheduler option flowseam refuses (named in the message).
+        checkpoint file, a checkpoint without a component its card needs (naming what is
+        missing and what the card needs), a layout or scheduler option flowseam refuses (named
+        in the message); all before any weights load.
     :raises ValueError: if no card matches the checkpoint's pipeline class.
     """
     root = resolve_checkpoint(path_or_hub_id)
@@ -84,6 +87,7 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     index = read_json(index_file)
     card = card_for_index(index, str(index_file))
     card.instance.check_index(index, str(index_file))
+    plan = component_plan(root, index, card)  # refuses an incomplete checkpoint
     configs = check_layout(card, index, root)
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     raw = read_json(scheduler_file) if (root / "scheduler").is_dir() else None
@@ -100,12 +104,10 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     platform = platform if platform is not None else Platform.detect()
     components: dict[str, Any] = {}
     records = {}
-    for entry in card.components:
-        if entry.name in unused or not declared(index, entry.name):
-            continue  # check_layout refused a missing required component
-        library, cls = index[entry.name]
-        spec = ComponentSpec(name=entry.name, cls=f"{library}.{cls}", path=str(root),
-                             subfolder=entry.name)
+    for entry, cls in plan:
+        if entry.name in unused:
+            continue
+        spec = ComponentSpec(name=entry.name, cls=cls, path=str(root), subfolder=entry.name)
         components[entry.name] = _build(platform, entry.kind, spec, root)
         records[entry.name] = platform.components[-1]
     instance = card.instance(card, platform, components, root, solver, scheduler_config=raw,
@@ -123,8 +125,8 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
 
 
 def check_layout(card: ModelCard, index: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
-    """Refuse, before any weights load, a layout the card cannot serve as diffusers does:
-    a missing required component, Wan2.2's ``transformer_2`` without ``boundary_ratio`` (diffusers
+    """Refuse, before any weights load, a layout the card cannot serve as diffusers does
+    (:func:`component_plan` has refused a missing component): Wan2.2's ``transformer_2`` without ``boundary_ratio`` (diffusers
     would never run it) or the reverse, ``expand_timesteps=True`` (Wan2.2 TI2V-5B), a DiT whose
     ``image_dim`` needs an image encoder the checkpoint lacks.
 
@@ -132,9 +134,6 @@ def check_layout(card: ModelCard, index: dict[str, Any], root: Path) -> dict[str
     :raises FlowseamError: naming the component or option and what to do.
     """
     where = root / "model_index.json"
-    for entry in card.components:
-        if entry.required and not declared(index, entry.name):
-            raise FlowseamError(f"{where} declares no {entry.name!r}, which {card.name} needs")
     if index.get("expand_timesteps"):
         raise FlowseamError(f"{where}: expand_timesteps=True (Wan2.2 TI2V-5B's per-token "
                             f"timesteps) is not implemented by flowseam's {card.name} card")
@@ -184,6 +183,51 @@ def unused_components(card: ModelCard, index: dict[str, Any],
                 unused[name] = ("the transformer takes no image embeddings (image_dim is null); "
                                 "diffusers does not use it either")
     return unused
+
+
+def component_plan(root: Path, index: dict[str, Any], card: ModelCard) -> list[tuple[Any, str]]:
+    """``(ComponentEntry, dotted class)`` for every component of ``card`` the checkpoint has:
+    those ``model_index.json`` declares (as ``[library, class]``; ``library`` is a package or a
+    diffusers pipeline module such as ``"ltx2"``) with their folder present, and the card's extra
+    folders (LTX-2's ``latent_upsampler/``).
+
+    :raises FlowseamError: naming every required component the checkpoint lacks and listing what
+        the card needs (required components, then optional ones with what needs them).
+    """
+    plan, missing = [], []
+    for entry in card.components:
+        folder = root / entry.name
+        if declared(index, entry.name):
+            library, name = index[entry.name]
+            cls = _class_path(library, name)
+            if not folder.is_dir():
+                missing.append(f"{entry.name!r} (model_index.json declares {name}, but "
+                               f"there is no {entry.name}/ folder)")
+                continue
+        elif entry.cls is not None and folder.is_dir():
+            cls = entry.cls
+        else:
+            if entry.required:
+                missing.append(f"{entry.name!r} (model_index.json declares none)")
+            continue
+        plan.append((entry, cls))
+    if missing:
+        needs = ", ".join(f"{e.name} ({e.kind})" for e in card.components if e.required)
+        optional = "; ".join(f"{e.name} ({e.kind}) for {e.purpose or 'optional features'}"
+                             for e in card.components if not e.required)
+        raise FlowseamError(
+            f"{root} is not a complete {card.name} checkpoint: missing {', '.join(missing)}. "
+            f"{card.name} needs {needs}" + (f"; optionally {optional}" if optional else ""))
+    return plan
+
+
+def _class_path(library: str, cls: str) -> str:
+    """``model_index.json``'s ``[library, class]`` as a dotted path: ``library`` is a package
+    (``diffusers``, ``transformers``) or, as diffusers writes for a pipeline's own modules, the
+    name of a ``diffusers.pipelines`` subpackage (``["ltx2", "LTX2TextConnectors"]``)."""
+    if importlib.util.find_spec(library) is None:
+        return f"diffusers.pipelines.{library}.{cls}"
+    return f"{library}.{cls}"
 
 
 def _build(platform: Platform, kind: str, spec: ComponentSpec, root: Path) -> Any:

@@ -1,7 +1,10 @@
-"""Writing outputs: PNG images, MP4 (H.264) or GIF videos, always atomically.
+"""Writing outputs: PNG images, MP4 (H.264) or GIF videos, WAV audio, always atomically.
 
 Every writer renders into a temporary file in the destination folder and renames it into place,
-so a failed or interrupted run leaves no partial output file.
+so a failed or interrupted run leaves no partial output file. A video with sound (LTX-2) is an MP4
+with an H.264 video track and an AAC audio track (PyAV, whose wheels ship ffmpeg); a GIF cannot
+hold sound, so writing one drops the audio with a warning; ``.wav`` writes the sound alone
+(16-bit PCM).
 """
 
 from __future__ import annotations
@@ -9,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import warnings
+import wave
+from fractions import Fraction
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +22,7 @@ import numpy as np
 
 IMAGE_SUFFIXES = (".png",)
 VIDEO_SUFFIXES = (".mp4", ".gif")
+AUDIO_SUFFIXES = (".wav",)
 
 
 @contextlib.contextmanager
@@ -59,12 +66,20 @@ def write_image(path: str | os.PathLike, image: np.ndarray) -> Path:
     return path
 
 
-def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Path:
-    """Write ``frames`` ``(F, H, W, 3)`` float in [0, 1] as MP4 (H.264, through imageio-ffmpeg,
-    whose wheel ships ffmpeg) or GIF, by the suffix of ``path``.
+def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float = 8,
+                audio: np.ndarray | None = None, sample_rate: int | None = None) -> Path:
+    """Write ``frames`` ``(F, H, W, 3)`` float in [0, 1] as MP4 (H.264) or GIF, by the suffix of
+    ``path``; with ``audio`` an MP4 also gets an AAC track.
+
+    Without audio the MP4 goes through imageio-ffmpeg (whose wheel ships ffmpeg); with audio
+    through PyAV: libx264 (yuv420p, or yuv444p for odd sizes) at ``fps`` plus AAC at
+    ``sample_rate``. A GIF has no sound: ``audio`` is dropped with a :class:`UserWarning`.
 
     :param fps: frames per second.
-    :raises ValueError: for an unsupported suffix or a wrongly shaped array.
+    :param audio: ``(channels, samples)`` float waveform in [-1, 1] (1 or 2 channels), or None.
+    :param sample_rate: the waveform's samples per second (Hz); required with ``audio``.
+    :raises ValueError: for an unsupported suffix, a wrongly shaped array, or audio without a
+        sample rate.
     """
     import imageio.v2 as imageio
 
@@ -74,10 +89,18 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Pa
         raise ValueError(f"video output {path} must end in one of {VIDEO_SUFFIXES}")
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"video has shape {frames.shape}; expected (F, H, W, 3)")
+    if audio is not None:
+        audio = _check_audio(audio, sample_rate)
+        if suffix == ".gif":
+            warnings.warn(f"{path}: a GIF has no audio track; the audio is dropped (write .mp4 "
+                          "for video with sound, or .wav for the sound alone)", stacklevel=2)
+            audio = None
     data = to_uint8(frames)
     with atomic_path(path) as tmp:
         if suffix == ".gif":
             imageio.mimsave(tmp, list(data), format="GIF", duration=1000.0 / fps, loop=0)
+        elif audio is not None:
+            _write_mp4_with_audio(tmp, data, fps, audio, sample_rate)
         else:
             # yuv420p (what players expect) needs even sizes; odd sizes use yuv444p.
             # macro_block_size=1 keeps tiny frames as they are instead of padding them to 16.
@@ -196,13 +219,75 @@ class StreamingVideoWriter:
             self.abort()
 
 
+def _check_audio(audio: np.ndarray, sample_rate: int | None) -> np.ndarray:
+    audio = np.asarray(audio, dtype=np.float32)
+    if audio.ndim != 2 or audio.shape[0] not in (1, 2) or audio.shape[1] == 0:
+        raise ValueError(f"audio has shape {audio.shape}; expected (channels, samples) with 1 or "
+                         "2 channels")
+    if not isinstance(sample_rate, int) or sample_rate <= 0:
+        raise ValueError(f"sample_rate={sample_rate!r} must be a positive number of samples per "
+                         "second")
+    return np.ascontiguousarray(np.clip(audio, -1.0, 1.0))
+
+
+def _write_mp4_with_audio(path: Path, data: np.ndarray, fps: float, audio: np.ndarray,
+                          sample_rate: int) -> None:
+    """H.264 video (uint8 ``(F, H, W, 3)``) and AAC audio (``(channels, samples)`` in [-1, 1])
+    muxed into one MP4 with PyAV."""
+    import av
+
+    layout = "stereo" if audio.shape[0] == 2 else "mono"
+    with av.open(str(path), mode="w", format="mp4") as container:
+        video = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
+        video.height, video.width = data.shape[1:3]
+        video.pix_fmt = "yuv420p" if _even(data) else "yuv444p"
+        video.options = {"crf": "18"}
+        sound = container.add_stream("aac", rate=sample_rate, layout=layout)
+        for frame in data:
+            container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(video.encode())
+        samples = av.AudioFrame.from_ndarray(audio, format="fltp", layout=layout)
+        samples.sample_rate = sample_rate
+        container.mux(sound.encode(samples))
+        container.mux(sound.encode())
+
+
+def write_audio(path: str | os.PathLike, audio: np.ndarray, sample_rate: int) -> Path:
+    """Write a waveform ``(channels, samples)`` float in [-1, 1] as 16-bit PCM WAV (clipped,
+    rounded).
+
+    :raises ValueError: for a suffix other than .wav, a wrongly shaped array or a bad rate.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in AUDIO_SUFFIXES:
+        raise ValueError(f"audio output {path} must end in .wav")
+    audio = _check_audio(audio, sample_rate)
+    pcm = np.round(audio.T * 32767.0).astype("<i2")  # interleaved (samples, channels)
+    with atomic_path(path) as tmp:
+        with wave.open(str(tmp), "wb") as w:
+            w.setnchannels(audio.shape[0])
+            w.setsampwidth(2)
+            w.setframerate(sample_rate)
+            w.writeframes(pcm.tobytes())
+    return path
+
+
 def _even(frames: np.ndarray) -> bool:
     return frames.shape[1] % 2 == 0 and frames.shape[2] % 2 == 0
 
 
-def write_output(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Path:
-    """Write an image (``.png``; frames ``(1, H, W, 3)`` or ``(H, W, 3)``) or a video by suffix."""
+def write_output(path: str | os.PathLike, frames: np.ndarray | None, fps: float = 8,
+                 audio: np.ndarray | None = None, sample_rate: int | None = None) -> Path:
+    """Write an image (``.png``; frames ``(1, H, W, 3)`` or ``(H, W, 3)``), a video (``.mp4``,
+    ``.gif``; with ``audio`` an MP4 gets a sound track) or the audio alone (``.wav``), by suffix.
+
+    :raises ValueError: for an unsupported suffix, or ``.wav`` without audio.
+    """
     suffix = Path(path).suffix.lower()
+    if suffix in AUDIO_SUFFIXES:
+        if audio is None:
+            raise ValueError(f"{path}: this output has no sound to write; use .png, .mp4 or .gif")
+        return write_audio(path, audio, sample_rate)
     if suffix in IMAGE_SUFFIXES:
         if frames.ndim == 4:
             if frames.shape[0] != 1:
@@ -211,5 +296,6 @@ def write_output(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> P
             frames = frames[0]
         return write_image(path, frames)
     if suffix in VIDEO_SUFFIXES:
-        return write_video(path, frames if frames.ndim == 4 else frames[None], fps=fps)
-    raise ValueError(f"output {path}: unsupported suffix {suffix!r}; use .png, .mp4 or .gif")
+        return write_video(path, frames if frames.ndim == 4 else frames[None], fps=fps,
+                           audio=audio, sample_rate=sample_rate)
+    raise ValueError(f"output {path}: unsupported suffix {suffix!r}; use .png, .mp4, .gif or .wav")

@@ -53,6 +53,17 @@ class DiffusionParams:
     :param sink_size: (``wan_causal``) the first latent frames, always attended (with a window).
     :param kv_cache: (``wan_causal``) reuse the keys/values of earlier chunks; False recomputes
         the whole prefix with a block-causal mask at every step (the parity reference; slow).
+    :param frame_rate: frames per second of the video (LTX-2: its RoPE positions and the audio
+        length follow it, and a written video plays at it).
+    :param audio_guidance_scale: CFG scale of the audio (LTX-2; ``guidance_scale`` is the video's).
+    :param stages: 1 (generate at height x width) or 2 (LTX-2's recipe: generate at half the size,
+        upsample the latents x2, re-noise, refine).
+    :param refine_sigmas: the sigmas of stage 2 (the re-noise level is the first); LTX-2's
+        distilled ``(0.909375, 0.725, 0.421875)`` by default.
+    :param refine_guidance_scale: the CFG scale of stage 2, video and audio (1 = no CFG).
+
+    The last five are LTX-2 parameters (:data:`CARD_SPECIFIC`): a card that has no default for
+    one refuses it (:meth:`with_defaults`) rather than ignore it.
     """
 
     num_steps: int | None = None
@@ -72,19 +83,38 @@ class DiffusionParams:
     sink_size: int | None = None
     kv_cache: bool = True
     guidance_scale_2: float | None = None
+    frame_rate: float | None = None
+    audio_guidance_scale: float | None = None
+    stages: int | None = None
+    refine_sigmas: tuple[float, ...] | None = None
+    refine_guidance_scale: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.sde_window, list):  # TOML/YAML give a list; keep the params hashable
-            object.__setattr__(self, "sde_window", tuple(self.sde_window))
+        for name in ("sde_window", "refine_sigmas"):  # TOML/YAML give lists; keep params hashable
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def with_defaults(self, defaults: dict[str, Any]) -> "DiffusionParams":
-        """A copy with every ``None`` field filled from ``defaults`` (a card's)."""
+        """A copy with every ``None`` field filled from ``defaults`` (a card's).
+
+        :raises ValueError: for a :data:`CARD_SPECIFIC` field that is set although ``defaults``
+            has no entry for it (the card does not take it).
+        """
+        for name in CARD_SPECIFIC:
+            if getattr(self, name) is not None and name not in defaults:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a parameter of this model "
+                                 "(it applies to LTX-2 checkpoints); leave it unset")
         filled = {k: v for k, v in defaults.items()
                   if k in self.__dataclass_fields__ and getattr(self, k) is None}
         return dataclasses.replace(self, **filled)
 
     def replace(self, **changes: Any) -> "DiffusionParams":
         return dataclasses.replace(self, **changes)
+
+
+#: DiffusionParams fields only some cards take (LTX-2's); other cards refuse them.
+CARD_SPECIFIC = ("frame_rate", "audio_guidance_scale", "stages", "refine_sigmas",
+                 "refine_guidance_scale")
 
 
 @dataclass
@@ -135,6 +165,8 @@ def check_common(params: DiffusionParams, request: GenerationRequest | None = No
         value = getattr(params, name)
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive number of pixels")
+    if params.negative_prompt is not None and not isinstance(params.negative_prompt, str):
+        raise ValueError(f"negative_prompt={params.negative_prompt!r} must be a string")
     if params.noise_level < 0:
         raise ValueError(f"noise_level={params.noise_level!r} must be >= 0")
     if params.sde_window is not None:
@@ -168,3 +200,14 @@ def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
         lo = max(multiple, value // multiple * multiple)
         raise ValueError(f"{name}={value} is not divisible by {multiple} ({why}); "
                          f"try {lo} or {lo + multiple}")
+
+
+def check_frames(num_frames: Any, factor: int, why: str) -> None:
+    """Raise ValueError unless ``num_frames`` is ``factor * k + 1`` (a causal video VAE keeps the
+    first frame and compresses the others by ``factor``), suggesting the two nearest counts."""
+    if not isinstance(num_frames, int) or num_frames < 1 or num_frames % factor != 1 % factor:
+        n = num_frames if isinstance(num_frames, int) else 1
+        below = max(1, (n - 1) // factor * factor + 1)
+        raise ValueError(
+            f"num_frames={num_frames!r} is not of the form {factor}k+1 ({why} compresses time by "
+            f"{factor}); try {below} or {below + factor}")

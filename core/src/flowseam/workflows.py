@@ -12,7 +12,7 @@ from typing import Any
 
 from .loops import ExecutionProfile, LoopResult, StepCallback, run_loop
 from .models.base import ModelInstance
-from .request import DiffusionParams, GenerationRequest, TaskType
+from .request import CARD_SPECIFIC, DiffusionParams, GenerationRequest, TaskType
 
 
 @dataclass
@@ -50,11 +50,13 @@ class Workflow:
     @staticmethod
     def stage_params(params: DiffusionParams) -> tuple[DiffusionParams, DiffusionParams]:
         """One set of parameters (a video's: size, steps, guidance, seed...) → the parameters of
-        each stage: the image stage takes the same ones minus ``num_frames``,
-        ``negative_prompt`` and ``guidance_scale_2`` (a text-to-image card has none of them); the
-        video stage takes them all. ``flowseam generate --workflow`` and ``flowseam serve`` both
-        derive the stages this way."""
-        return params.replace(num_frames=None, negative_prompt=None, guidance_scale_2=None), params
+        each stage: the image stage takes the same ones minus ``num_frames``, ``negative_prompt``,
+        ``guidance_scale_2`` and LTX-2's video and sound parameters (a text-to-image card has none
+        of them); the video stage takes them all. ``flowseam generate --workflow`` and
+        ``flowseam serve`` both derive the stages this way."""
+        video_only = dict.fromkeys(CARD_SPECIFIC)
+        return params.replace(num_frames=None, negative_prompt=None, guidance_scale_2=None,
+                              **video_only), params
 
     def requests(self, prompt: str, t2i_params: DiffusionParams, i2v_params: DiffusionParams,
                  image: Any = None, seed: int = 0) -> tuple[GenerationRequest, GenerationRequest]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from ..request import GenerationRequest
-from . import causal, flow_match
+from . import causal, flow_match, ltx2
 from .causal import Chunk
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 
@@ -25,13 +25,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: loop name (as cards list them in ``ModelCard.loops``) → its ``run`` function
 LOOPS: dict[str, Callable[..., LoopResult]] = {"flow_match": flow_match.run,
-                                               "wan_causal": causal.run}
+                                               "wan_causal": causal.run, "ltx2": ltx2.run}
 #: loops that stream their output chunk by chunk → their ``stream`` generator
 STREAMS: dict[str, Callable[..., Iterator[Chunk]]] = {"wan_causal": causal.stream}
 #: loop name → its ``record_velocity(model, result, record, dit)`` (the pinned recompute's
 #: velocity: each loop knows what its DiT saw at a step)
 RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {"flow_match": flow_match.record_velocity,
-                                                     "wan_causal": causal.record_velocity}
+                                                     "wan_causal": causal.record_velocity,
+                                                     "ltx2": ltx2.record_velocity}
 
 
 def run_loop(model: "ModelInstance", request: GenerationRequest,

@@ -83,6 +83,9 @@ class LoopResult:
         schedule it stepped, and each setting with its source (checkpoint / request / card
         default / diffusers default).
     :ivar experts: the DiT expert (component name) that ran each step.
+    :ivar audio: ``(B, channels, samples)`` float32 waveform in [-1, 1] for cards that make sound
+        (LTX-2), else None.
+    :ivar sample_rate: the waveform's samples per second (Hz), else None.
     """
 
     frames: np.ndarray
@@ -98,3 +101,5 @@ class LoopResult:
     kv_cache_peak_bytes: int = 0
     solver: str = ""
     experts: list[str] = field(default_factory=list)
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None

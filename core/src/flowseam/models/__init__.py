@@ -7,12 +7,13 @@ from typing import Any
 
 from .base import ComponentEntry, Conditioning, ModelCard, ModelInstance
 from .flux import FLUX_T2I, FluxT2I
+from .ltx2 import LTX2_I2V, LTX2_T2V, LTX2I2V, LTX2T2V
 from .wan import WAN22_I2V, WAN22_T2V, WAN_I2V, WAN_T2V, WanI2V, WanT2V
 from .wan_causal import WAN_CAUSAL_T2V, WanCausalT2V
 
 #: card name → card
 CARDS: dict[str, ModelCard] = {c.name: c for c in (WAN_T2V, WAN_I2V, WAN22_T2V, WAN22_I2V,
-                                                   FLUX_T2I, WAN_CAUSAL_T2V)}
+                                                   FLUX_T2I, WAN_CAUSAL_T2V, LTX2_T2V, LTX2_I2V)}
 
 
 def declared(index: dict[str, Any], name: str) -> bool:
@@ -49,6 +50,7 @@ def card_for_index(index: dict[str, Any], source: str = "model_index.json") -> M
     return matches[0]
 
 
-__all__ = ["CARDS", "ComponentEntry", "Conditioning", "FLUX_T2I", "FluxT2I", "ModelCard",
-           "ModelInstance", "WAN22_I2V", "WAN22_T2V", "WAN_CAUSAL_T2V", "WAN_I2V", "WAN_T2V",
-           "WanCausalT2V", "WanI2V", "WanT2V", "card_for_index", "declared"]
+__all__ = ["CARDS", "ComponentEntry", "Conditioning", "FLUX_T2I", "FluxT2I", "LTX2I2V", "LTX2T2V",
+           "LTX2_I2V", "LTX2_T2V", "ModelCard", "ModelInstance", "WAN22_I2V", "WAN22_T2V",
+           "WAN_CAUSAL_T2V", "WAN_I2V", "WAN_T2V", "WanCausalT2V", "WanI2V", "WanT2V",
+           "card_for_index", "declared"]

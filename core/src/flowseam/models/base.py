@@ -37,11 +37,22 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class ComponentEntry:
-    """One component of a card: its folder/name in the checkpoint and its kind."""
+    """One component of a card: its folder/name in the checkpoint and its kind.
+
+    :param required: False for a component the card can run without (its ``purpose`` says what
+        needs it).
+    :param cls: the class that loads the component when ``model_index.json`` does not declare it
+        (``"diffusers.pipelines.ltx2.LTX2LatentUpsamplerModel"``: LTX-2's converter writes the
+        latent upsampler into its own ``latent_upsampler/`` folder, outside the pipeline);
+        None: only a component ``model_index.json`` declares is loaded.
+    :param purpose: what needs an optional component (shown when it is missing).
+    """
 
     name: str
     kind: str
     required: bool = True
+    cls: str | None = None
+    purpose: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,7 @@ class ModelCard:
     :param solver_from_scheduler: whether the checkpoint's scheduler decides the solver (False
         for a loop with its own sampler, such as the causal one; its scheduler is then reported
         as not used, and the instance describes its sampler in :meth:`ModelInstance.solver_line`).
+    :param audio: whether it makes sound (``LoopResult.audio``), as LTX-2 does.
     """
 
     name: str
@@ -84,6 +96,7 @@ class ModelCard:
     passes_mu: bool = False
     pipeline_options: tuple[str, ...] = ()
     solver_from_scheduler: bool = True
+    audio: bool = False
 
     @property
     def task(self) -> TaskType:
@@ -147,7 +160,8 @@ class ModelInstance:
     def provenance(self, solver: bool = True) -> str:
         """One line: where each component and the kernels came from, and (``solver=True``) the
         solver with its schedule settings and where each came from."""
-        kinds = ("dit", "vae", "text_encoder", "image_encoder")
+        kinds = ("dit", "vae", "text_encoder", "image_encoder", "text_connectors", "audio_vae",
+                 "vocoder", "latent_upsampler")
         comps = ", ".join(f"{n}={r.device}/{r.plugin}{' (fallback)' if r.fallback else ''}"
                           for n, r in self.component_records.items() if r.kind in kinds)
         kern = ", ".join(f"{op}={k.impl_id}" for op, k in self.platform.kernels.resolved().items())
@@ -346,6 +360,20 @@ class ModelInstance:
         :raises ValueError: naming the bad value and what is allowed (the card's ``rules``).
         """
         raise NotImplementedError
+
+    def check_image(self, request: GenerationRequest) -> None:
+        """An image-to-video card needs ``request.image``; the others take none.
+
+        :raises ValueError: naming the card and what to pass or use instead.
+        """
+        if TaskType.I2V in self.card.tasks:
+            if request.image is None:
+                raise ValueError(f"{self.card.name} is image-to-video: pass image= (a PIL image, "
+                                 "a path, or an (H, W, 3) float array in [0, 1])")
+        elif request.image is not None:
+            what = {TaskType.T2V: "text-to-video", TaskType.T2I: "text-to-image"}[self.card.task]
+            raise ValueError(f"{self.card.name} is {what} and takes no image; use an "
+                             "image-to-video checkpoint (wan2.1-i2v, ltx2-i2v)")
 
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
         """Text (and image) conditioning for the B prompts: ``prompt_embeds (B, L, D)`` in the

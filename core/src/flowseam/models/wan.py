@@ -31,6 +31,7 @@ from ..request import (
     GenerationRequest,
     TaskType,
     check_common,
+    check_frames,
     check_multiple,
     check_no_causal,
 )
@@ -63,28 +64,16 @@ class WanT2V(ModelInstance):
         check_common(params, request)
         self.check_loop_params(params)
         self.check_experts(params)
-        tf = self.vae_temporal_factor
-        if not isinstance(params.num_frames, int) or params.num_frames < 1 or params.num_frames % tf != 1:
-            k = max(0, (params.num_frames or 1) // tf)
-            raise ValueError(
-                f"num_frames={params.num_frames!r} is not of the form {tf}k+1 (Wan's VAE compresses "
-                f"time by {tf}); try {tf * k + 1} or {tf * (k + 1) + 1}")
+        check_frames(params.num_frames, self.vae_temporal_factor, "Wan's VAE")
         multiple = self.vae_spatial_factor * self.dit.config.patch_size[1]
         for name in ("height", "width"):
             check_multiple(name, getattr(params, name), multiple,
                            f"VAE factor {self.vae_spatial_factor} x patch {self.dit.config.patch_size[1]}")
-        if params.negative_prompt is not None and not isinstance(params.negative_prompt, str):
-            raise ValueError(f"negative_prompt={params.negative_prompt!r} must be a string")
         self.check_image(request)
         return params
 
     def check_loop_params(self, params: DiffusionParams) -> None:
         check_no_causal(params, self.card.name)
-
-    def check_image(self, request: GenerationRequest) -> None:
-        if request.image is not None:
-            raise ValueError(f"{self.card.name} is text-to-video and takes no image; "
-                             "use a wan2.1-i2v checkpoint for image-to-video")
 
     @property
     def vae_temporal_factor(self) -> int:
@@ -197,9 +186,7 @@ class WanI2V(WanT2V):
     extra cross-attention tokens (diffusers' WanImageToVideoPipeline)."""
 
     def check_image(self, request: GenerationRequest) -> None:
-        if request.image is None:
-            raise ValueError(f"{self.card.name} is image-to-video: pass image= (a PIL image, a path, "
-                             "or an (H, W, 3) float array in [0, 1])")
+        super().check_image(request)
         if len(request.prompts) != 1:
             raise ValueError(f"{self.card.name} takes one image per request; got "
                              f"{len(request.prompts)} prompts (run one request per image)")

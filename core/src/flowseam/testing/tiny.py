@@ -21,11 +21,15 @@ import transformers
 __all__ = ["ALL_CARDS", "CARDS", "SCHEDULER_CLASSES", "clip_tokenizer", "t5_tokenizer",
            "write_tiny_checkpoint", "write_tiny_lm"]
 
-#: The cards of the conformance suite (one checkpoint each), in a fixed order.
-CARDS = ("wan2.1-t2v", "wan2.1-i2v", "flux.1-t2i", "wan2.1-causal-t2v")
+#: The cards of the conformance suite (one checkpoint each), in a fixed order. ``ltx2-i2v`` is
+#: not one: it runs the same DiT, VAE, audio VAE, vocoder and upsampler classes and the same
+#: two-stage loop as ``ltx2-t2v`` (its image condition is tested against diffusers in flowseam's
+#: own tests), and a compiling backend would compile all of them once more.
+CARDS = ("wan2.1-t2v", "wan2.1-i2v", "flux.1-t2i", "wan2.1-causal-t2v", "ltx2-t2v")
 
-#: Every card :func:`write_tiny_checkpoint` knows: :data:`CARDS` and Wan2.2's two-expert layouts.
-ALL_CARDS = CARDS + ("wan2.2-t2v", "wan2.2-i2v")
+#: Every card :func:`write_tiny_checkpoint` knows: :data:`CARDS`, Wan2.2's two-expert layouts
+#: and LTX-2's image-to-video.
+ALL_CARDS = CARDS + ("wan2.2-t2v", "wan2.2-i2v", "ltx2-i2v")
 
 #: The scheduler classes it can write (``scheduler_class=``).
 SCHEDULER_CLASSES = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
@@ -37,6 +41,9 @@ METADATA_FILE = "flowseam_tiny.json"
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
+_LTX2_PARTS = ("text_encoder", "connectors", "transformer", "vae", "audio_vae", "vocoder",
+               "latent_upsampler", "scheduler")
+
 # Which config dicts each card builds (= the keys accepted in ``**overrides``).
 _OVERRIDABLE = {
     "wan2.1-t2v": ("text_encoder", "vae", "transformer", "scheduler"),
@@ -46,6 +53,8 @@ _OVERRIDABLE = {
     "wan2.1-causal-t2v": ("text_encoder", "vae", "transformer", "scheduler", "causal"),
     "wan2.2-t2v": ("text_encoder", "vae", "transformer", "transformer_2", "scheduler"),
     "wan2.2-i2v": ("text_encoder", "vae", "transformer", "transformer_2", "scheduler"),
+    "ltx2-t2v": _LTX2_PARTS,
+    "ltx2-i2v": _LTX2_PARTS,
 }
 
 
@@ -114,6 +123,30 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
         ``transformer``, unless overridden, initialised after it from the same seeded stream,
         so the two experts differ) and ``boundary_ratio`` (default 0.875). The I2V variant has
         no CLIP image encoder (``image_dim`` and ``added_kv_proj_dim`` null, as Wan2.2 I2V).
+    ``"ltx2-t2v"`` -> :class:`diffusers.LTX2Pipeline`, ``"ltx2-i2v"`` ->
+    :class:`diffusers.LTX2ImageToVideoPipeline` (the same components), sized like diffusers'
+    own ``tests/pipelines/ltx2`` dummies:
+        * ``transformer``: ``LTX2VideoTransformer3DModel``, 2 layers, video 2 heads x 8
+          (4 latent channels, patch 1), audio 2 heads x 4 (4 channels = 2 latent channels x 2
+          latent mel bins), caption_channels 32, split RoPE.
+        * ``connectors``: ``LTX2TextConnectors`` (one 4 x 8 attention layer per modality, no
+          learnable registers), fed the 3 hidden states of the text encoder.
+        * ``vae``: ``AutoencoderKLLTX2Video``, 8 channels, 4 latent channels, one
+          spatio-temporal scaling (spatial factor 2, temporal factor 2: frames 2k+1), random
+          non-trivial ``latents_mean``/``latents_std`` buffers (as a real checkpoint has).
+        * ``audio_vae``: ``AutoencoderKLLTX2Audio``, 16 kHz, hop 160, 8 mel bins, 2 latent
+          channels (mel factor 4), random latent statistics.
+        * ``vocoder``: ``LTX2Vocoder`` upsampling by 4 x 4 x 10 = 160 (the mel hop), so the
+          waveform lasts as long as the video; 2 channels at 16 kHz.
+        * ``text_encoder`` + ``tokenizer``: ``Gemma3ForConditionalGeneration`` (text: hidden 32,
+          2 layers, 4 heads x 8; vision: a 1-layer SigLIP of 16 px) + a ``GemmaTokenizer`` over
+          printable ASCII, built in memory (left padding, as LTX-2 uses).
+        * ``scheduler``: ``FlowMatchEulerDiscreteScheduler`` with LTX-2's real config
+          (dynamic shifting, base_shift 0.95, max_shift 2.05, base/max image seq len 1024/4096,
+          shift_terminal 0.1).
+        * ``latent_upsampler/``: ``LTX2LatentUpsamplerModel`` (x2 spatial, rational resampler,
+          32 mid channels, 1 block per stage), saved in its own subfolder as LTX-2's converter
+          does (it is not a pipeline component).
 
     With these sizes a 2-step call at 32x32 px (Wan: 5 frames) takes well under a second on
     two CPU cores. Height and width must be multiples of 16 for all three cards (VAE factor 8
@@ -133,7 +166,8 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
             ``scheduler={"shift": 5.0}``, ``vae={"z_dim": 4}``. Accepted names:
             ``text_encoder``, ``vae``, ``transformer``, ``scheduler`` (all cards),
             ``image_encoder`` and ``image_processor`` (``wan2.1-i2v``), ``text_encoder_2``
-            (``flux.1-t2i``). Dependent sizes (the transformer's text/image/latent channel
+            (``flux.1-t2i``), ``connectors``, ``audio_vae``, ``vocoder`` and
+            ``latent_upsampler`` (the LTX-2 cards). Dependent sizes (the transformer's text/image/latent channel
             dims, Flux's rope axes, the text encoders' vocab size) are re-derived from the
             overridden configs unless overridden explicitly too.
 
@@ -175,8 +209,9 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.random.default_generator.manual_seed(seed)
         unipc = scheduler_class == "UniPCMultistepScheduler"
-        pipe = _BUILDERS[card]({k: dict(v) for k, v in overrides.items()
-                                if not (unipc and k == "scheduler")})
+        built = _BUILDERS[card]({k: dict(v) for k, v in overrides.items()
+                                 if not (unipc and k == "scheduler")})
+        pipe, extras = built if isinstance(built, tuple) else (built, {})
         pipe.scheduler = _scheduler(scheduler_class, pipe.scheduler, overrides.get("scheduler", {}))
         if card.startswith("wan2.2"):
             pipe.register_to_config(boundary_ratio=float(boundary_ratio))
@@ -187,6 +222,8 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
         index = json.loads((out / "model_index.json").read_text())
         index["_flowseam_causal"] = dict(overrides.get("causal", {}))
         (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    for subfolder, model in extras.items():  # models a pipeline does not hold (LTX-2's upsampler)
+        model.save_pretrained(out / subfolder, safe_serialization=True)
     meta = {"generator": "flowseam.testing.tiny", "card": card, "seed": seed,
             "scheduler_class": scheduler_class, "overrides": overrides}
     if card.startswith("wan2.2"):
@@ -436,6 +473,114 @@ def _build_flux(ov: dict):
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
 
 
+def _gemma_tokenizer():
+    """A Gemma (BPE) tokenizer over printable ASCII with no merges, built in memory."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "\u2581": 5}
+    for code in range(33, 127):
+        vocab.setdefault(chr(code), len(vocab))
+        vocab.setdefault("\u2581" + chr(code), len(vocab))
+    return transformers.GemmaTokenizer(vocab=vocab, merges=[])
+
+
+def _randomise_latent_stats(model: torch.nn.Module) -> None:
+    """Give the ``latents_mean``/``latents_std`` buffers real-looking values (a fresh LTX-2 VAE
+    has zeros and ones, which would hide a missing (de)normalisation)."""
+    with torch.no_grad():
+        model.latents_mean.copy_(torch.randn_like(model.latents_mean) * 0.5)
+        model.latents_std.copy_(torch.rand_like(model.latents_std) + 0.5)
+
+
+def _build_ltx2(ov: dict, *, i2v: bool):
+    from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel, LTX2TextConnectors, LTX2Vocoder
+
+    tokenizer = _gemma_tokenizer()
+    te_text = _merge(
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+             query_pre_attn_scalar=8, sliding_window=16, rms_norm_eps=1e-6),
+        ov.get("text_encoder", {}), {"vocab_size": lambda c: len(tokenizer)})
+    te_vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                                num_hidden_layers=1, num_attention_heads=2,
+                                                image_size=16, patch_size=4)
+    text_encoder = _finish(transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**te_text), vision_config=te_vision,
+        mm_tokens_per_image=4)))
+    hidden = te_text["hidden_size"]
+
+    connectors = _finish(LTX2TextConnectors(**_merge(
+        dict(video_connector_num_attention_heads=4, video_connector_attention_head_dim=8,
+             video_connector_num_layers=1, video_connector_num_learnable_registers=None,
+             audio_connector_num_attention_heads=4, audio_connector_attention_head_dim=8,
+             audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
+             connector_rope_base_seq_len=32, rope_theta=10000.0, rope_double_precision=False,
+             causal_temporal_positioning=False, rope_type="split"),
+        ov.get("connectors", {}),
+        {"caption_channels": lambda c: hidden,
+         "text_proj_in_factor": lambda c: te_text["num_hidden_layers"] + 1})))
+
+    vae = diffusers.AutoencoderKLLTX2Video(**_merge(
+        dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
+             decoder_block_out_channels=(8,), layers_per_block=(1,),
+             decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+             decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False),
+             downsample_type=("spatial",), upsample_residual=(False,), upsample_factor=(1,),
+             timestep_conditioning=False, patch_size=2, patch_size_t=1, encoder_causal=True,
+             decoder_causal=False),
+        ov.get("vae", {})))
+    _randomise_latent_stats(vae)
+    vae = _finish(vae)
+
+    audio_vae = diffusers.AutoencoderKLLTX2Audio(**_merge(
+        dict(output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+             in_channels=2, resolution=32, latent_channels=2, norm_type="pixel",
+             causality_axis="height", dropout=0.0, mid_block_add_attention=False,
+             sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8),
+        ov.get("audio_vae", {}),
+        # the latent statistics have one entry per packed channel (latent channels x mel bins / 4)
+        {"base_channels": lambda c: c["latent_channels"] * c["mel_bins"] // 4}))
+    _randomise_latent_stats(audio_vae)
+    audio_vae = _finish(audio_vae)
+    audio_cfg = audio_vae.config
+
+    vocoder = _finish(LTX2Vocoder(**_merge(
+        dict(hidden_channels=32, out_channels=2, upsample_kernel_sizes=[8, 8, 20],
+             upsample_factors=[4, 4, 10], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+             leaky_relu_negative_slope=0.1),
+        ov.get("vocoder", {}),
+        {"in_channels": lambda c: audio_cfg.output_channels * audio_cfg.mel_bins,
+         "output_sampling_rate": lambda c: audio_cfg.sample_rate})))
+
+    latent_channels = vae.config.latent_channels
+    transformer = _finish(diffusers.LTX2VideoTransformer3DModel(**_merge(
+        dict(patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+             cross_attention_dim=16, audio_num_attention_heads=2, audio_attention_head_dim=4,
+             audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+             rope_double_precision=False, rope_type="split"),
+        ov.get("transformer", {}),
+        {"in_channels": lambda c: latent_channels * c["patch_size"] ** 2 * c["patch_size_t"],
+         "out_channels": lambda c: latent_channels * c["patch_size"] ** 2 * c["patch_size_t"],
+         "audio_in_channels": lambda c: audio_cfg.latent_channels * audio_cfg.mel_bins // 4,
+         "audio_out_channels": lambda c: audio_cfg.latent_channels * audio_cfg.mel_bins // 4,
+         "caption_channels": lambda c: hidden})))
+
+    upsampler = _finish(LTX2LatentUpsamplerModel(**_merge(
+        dict(mid_channels=32, num_blocks_per_stage=1, dims=3, spatial_upsample=True,
+             temporal_upsample=False, rational_spatial_scale=2.0, use_rational_resampler=True),
+        ov.get("latent_upsampler", {}), {"in_channels": lambda c: latent_channels})))
+
+    # LTX-2's real scheduler config (diffusers' convert_ltx2_to_diffusers.py, non-distilled)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**_merge(
+        dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+             max_image_seq_len=4096, shift_terminal=0.1),
+        ov.get("scheduler", {})))
+
+    cls = diffusers.LTX2ImageToVideoPipeline if i2v else diffusers.LTX2Pipeline
+    pipe = cls(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+               tokenizer=tokenizer, connectors=connectors, transformer=transformer,
+               vocoder=vocoder)
+    return pipe, {"latent_upsampler": upsampler}
+
+
 _BUILDERS = {
     "wan2.1-causal-t2v": lambda ov: _build_wan(ov, i2v=False),
     "wan2.1-t2v": lambda ov: _build_wan(ov, i2v=False),
@@ -443,4 +588,6 @@ _BUILDERS = {
     "flux.1-t2i": _build_flux,
     "wan2.2-t2v": lambda ov: _build_wan(ov, i2v=False, experts=2),
     "wan2.2-i2v": lambda ov: _build_wan(ov, i2v=True, experts=2),
+    "ltx2-t2v": lambda ov: _build_ltx2(ov, i2v=False),
+    "ltx2-i2v": lambda ov: _build_ltx2(ov, i2v=True),
 }

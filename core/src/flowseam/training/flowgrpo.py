@@ -1,4 +1,5 @@
-"""The ``flowgrpo`` training method: Flow-GRPO on one model (text-to-image or text-to-video).
+"""The ``flowgrpo`` training method: Flow-GRPO on one model (text-to-image or text-to-video; for
+LTX-2 both stages' steps are captured, and the reward may score the video or the audio).
 
 Each step: for each of ``prompts_per_step`` prompts, roll out a group of ``group_size`` samples
 with the SDE step (the serve loop with ``ExecutionProfile.ROLLOUT``; every member has its own
@@ -28,7 +29,8 @@ Config (TOML/YAML or dict)::
                 negative_prompt, max_sequence_length, sde_window = [start, end] (SDE only on
                 those steps, ODE elsewhere; trains on them: Flow-GRPO-Fast); for a causal
                 checkpoint chunk_frames, local_attn_size, sink_size (one record per chunk
-                and step)
+                and step); for LTX-2 frame_rate, audio_guidance_scale, stages,
+                refine_sigmas, refine_guidance_scale (records of both stages)
     [grpo]      clip_range, adv_clip_max, beta, inner_epochs, timestep_fraction, max_grad_norm, eps
     [optim]     lr, weight_decay, beta1, beta2, adam_eps
     [lora]      rank (0 = full fine-tune), alpha, target_modules
@@ -74,7 +76,7 @@ from .config import section
 from .distributed import DataParallel, data_parallel
 from .fleet import RAY_DEFAULTS, fleet_from_config
 from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
-from .rewards import score
+from .rewards import reward_input, score
 
 TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness", reward_args={},
                     group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
@@ -83,7 +85,8 @@ TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness",
 SAMPLING_DEFAULTS = dict(num_steps=4, height=None, width=None, num_frames=None, guidance_scale=None,
                          noise_level=0.7, sde_window=None, flow_shift=None, negative_prompt=None,
                          max_sequence_length=None, chunk_frames=None, local_attn_size=None,
-                         sink_size=None)
+                         sink_size=None, frame_rate=None, audio_guidance_scale=None, stages=None,
+                         refine_sigmas=None, refine_guidance_scale=None)
 
 
 def check_top(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +153,9 @@ class FlowGRPO:
                                   dp=self.dp)
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"], dp=self.dp)
+        if ray_options["reward_workers"] and getattr(self.reward, "modality", "video") == "audio":
+            raise FlowseamError("[ray] reward_workers score frames; an audio reward runs in the "
+                                "trainer (set reward_workers = 0)")
         self.fleet = fleet_from_config(model, ray_options, lora, self.reward)
         if self.fleet is not None:  # the fleet receives every weights version from now on
             self.stage.sync.receivers.append(self.fleet)
@@ -200,7 +206,8 @@ class FlowGRPO:
             trajectories, results, prompts, scored = self.rollout(self.step)
         with timer("reward"):
             if scored is None:
-                scored = [score(self.reward, [p] * len(r.seeds), r.frames) for p, r in zip(prompts, results)]
+                scored = [score(self.reward, [p] * len(r.seeds), reward_input(self.reward, r))
+                          for p, r in zip(prompts, results)]
             local = torch.cat(scored).view(len(self.shard.groups), len(self.shard.members))
             rewards = self.shard.gather(local)  # (G, K) on every rank: whole groups
         adv, valid, adv_stats = group_advantages(rewards, self.grpo)
@@ -256,8 +263,8 @@ class FlowGRPO:
         out = []
         for prompt in prompts or self.config["prompts"]:
             request = GenerationRequest([prompt] * len(seeds), self.model.card.task, params, seeds=list(seeds))
-            frames = run_loop(self.model, request).frames
-            out.append(score(self.reward, [prompt] * len(seeds), frames))
+            result = run_loop(self.model, request)
+            out.append(score(self.reward, [prompt] * len(seeds), reward_input(self.reward, result)))
         return torch.stack(out).mean(dim=0)
 
 

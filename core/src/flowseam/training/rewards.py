@@ -1,8 +1,10 @@
 """Built-in rewards (registered by the ``flowseam-methods`` plugin, like any third party's).
 
 A reward is ``reward(prompts: list[str], outputs: np.ndarray (B, F, H, W, 3) in [0, 1]) ->
-torch.Tensor (B,)`` float32. A reward may return NaN for a sample it cannot score; the method
-skips that sample's group.
+torch.Tensor (B,)`` float32. A reward whose ``modality`` attribute is ``"audio"`` scores sound
+instead: ``outputs`` is then the waveform ``(B, channels, samples)`` in [-1, 1] of a model that
+makes it (LTX-2). A reward may return NaN for a sample it cannot score; the method skips that
+sample's group.
 """
 
 from __future__ import annotations
@@ -37,7 +39,31 @@ class ChannelContrast:
         return torch.from_numpy(score.astype(np.float32))
 
 
-BUILTIN_REWARDS = {"constant": constant, "brightness": brightness, "channel_contrast": ChannelContrast}
+def audio_rms(prompts, outputs) -> torch.Tensor:
+    """Root-mean-square amplitude of the waveform over channels and samples (loudness), in
+    [0, 1]."""
+    x = np.asarray(outputs, dtype=np.float64).reshape(len(prompts), -1)
+    return torch.from_numpy(np.sqrt((x ** 2).mean(axis=1)).astype(np.float32))
+
+
+audio_rms.modality = "audio"
+
+BUILTIN_REWARDS = {"constant": constant, "brightness": brightness, "channel_contrast": ChannelContrast,
+                   "audio_rms": audio_rms}
+
+
+def reward_input(reward, result) -> np.ndarray:
+    """What ``reward`` scores in a :class:`~flowseam.loops.LoopResult`: its frames, or its
+    waveform for a reward whose ``modality`` is ``"audio"``.
+
+    :raises ValueError: for an audio reward on a result without sound.
+    """
+    if getattr(reward, "modality", "video") == "audio":
+        if result.audio is None:
+            raise ValueError(f"reward {getattr(reward, '__name__', reward)!r} scores audio, and "
+                             "this model makes none (use a video reward, or an LTX-2 checkpoint)")
+        return result.audio
+    return result.frames
 
 
 def score(reward, prompts: list[str], outputs: np.ndarray) -> torch.Tensor:

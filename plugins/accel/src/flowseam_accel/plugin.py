@@ -70,11 +70,12 @@ def flowseam_component_kinds() -> tuple[str, ...]:
 @hookimpl
 def flowseam_conformance_expectations() -> ConformanceExpectations:
     """accel's promise, stated independently of its declarations so that the conformance suite
-    catches a change to either: dit and vae are built here, text encoders (and the other kinds)
-    fall back to cpu."""
+    catches a change to either: dit and vae are built here, text encoders (and the other kinds,
+    LTX-2's connectors, audio VAE, vocoder and latent upsampler among them) fall back to cpu."""
     return ConformanceExpectations(overrides=("dit", "vae"),
                                    falls_back=("text_encoder", "tokenizer", "image_encoder",
-                                               "image_processor"))
+                                               "image_processor", "text_connectors", "audio_vae",
+                                               "vocoder", "latent_upsampler"))
 
 
 @hookimpl

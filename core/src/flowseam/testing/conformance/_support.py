@@ -17,7 +17,13 @@ from flowseam.declarations import Provenance
 from flowseam.models import CARDS as MODEL_CARDS
 from flowseam.ops.reference import TOLERANCES
 from flowseam.request import DiffusionParams, GenerationRequest
-from flowseam.testing.tiny import CARDS
+from flowseam.testing import tiny
+
+#: The cards the suite runs, on tiny checkpoints: every card flowseam has a tiny checkpoint for,
+#: but ``ltx2-i2v``: it runs the same DiT, VAE, audio VAE, vocoder and upsampler classes and the
+#: same two-stage loop as ``ltx2-t2v`` (the image condition is tested against diffusers in
+#: flowseam's own tests), and a compiling backend would compile all of them once more.
+CARDS = tuple(card for card in tiny.CARDS if card != "ltx2-i2v")
 
 # -- tolerances --------------------------------------------------------------------------------
 
@@ -374,7 +380,10 @@ def request_for(card: str, *, sde_rollout: bool = False) -> GenerationRequest:
     backend compiles each graph once): 3 steps at 32x32, Wan with 5 frames and CFG, seed 3; the
     causal card 13 frames in 2 chunks of 2 latent frames (each chunk the DiT input shape of the
     wan2.1-t2v request, so a compiling backend reuses that graph's code) with CFG and a rolling
-    window of 3 frames with 1 sink frame (frame 1 is evicted for the second chunk)."""
+    window of 3 frames with 1 sink frame (frame 1 is evicted for the second chunk); LTX-2 in two
+    stages (2 base steps at 32x32, upsample, the 3 distilled refine steps at 64x64), 5 frames at
+    25 fps, 32 text tokens, without CFG (one DiT batch size: a compiling backend compiles the DiT
+    for the two stages' sizes only; CFG's 2B batch is Wan's case)."""
     common = dict(num_steps=3, height=32, width=32, seed=3, sde_rollout=sde_rollout)
     if card == "wan2.1-causal-t2v":
         params = DiffusionParams(num_frames=13, chunk_frames=2, local_attn_size=3, sink_size=1,
@@ -383,9 +392,13 @@ def request_for(card: str, *, sde_rollout: bool = False) -> GenerationRequest:
     elif card.startswith("wan"):
         params = DiffusionParams(num_frames=5, guidance_scale=5.0,
                                  negative_prompt="blurry, low quality", **common)
+    elif card.startswith("ltx2"):
+        params = DiffusionParams(**dict(common, num_steps=2, height=64, width=64), num_frames=5,
+                                 frame_rate=25.0, guidance_scale=1.0, audio_guidance_scale=1.0,
+                                 stages=2, max_sequence_length=32)
     else:
         params = DiffusionParams(guidance_scale=3.5, **common)
-    image = conditioning_image() if card == "wan2.1-i2v" else None
+    image = conditioning_image() if card in ("wan2.1-i2v", "ltx2-i2v") else None
     return GenerationRequest(prompt=PROMPT, task=MODEL_CARDS[card].task, params=params, image=image)
 
 

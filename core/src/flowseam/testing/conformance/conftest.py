@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from flowseam.testing.conformance._support import Call, recording, request_for
+from flowseam.testing.conformance._support import CARDS, Call, recording, request_for
 from flowseam.testing.pytest_plugin import backend_expectations
-from flowseam.testing.tiny import CARDS, write_tiny_checkpoint
+from flowseam.testing.tiny import write_tiny_checkpoint
 
 
 @dataclass
@@ -64,7 +64,8 @@ class Runs:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny random checkpoint of every card (real diffusers format), written once."""
+    """A tiny random checkpoint of every card the suite runs (real diffusers format), written
+    once."""
     root = tmp_path_factory.mktemp("flowseam-conformance-checkpoints")
     return {card: write_tiny_checkpoint(card, root / card) for card in CARDS}
 

@@ -1,6 +1,7 @@
 """The loops end to end on tiny checkpoints of every card: serve parity with cpu (C1), the
 solvers a checkpoint's scheduler may name against diffusers' own pipelines, and the log-prob of a
-real SDE rollout recomputed with the pinned kernel (C2)."""
+real SDE rollout recomputed with the pinned kernel (C2). For LTX-2 that is the two-stage loop
+(base, latent upsample, re-noise, refine), frames and waveform."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def test_serve_parity_with_cpu(flowseam_platform, flowseam_case, conformance_run
     dtype = ours.model.component_dtype(ours.model.DIT)
     assert_close(ours.result.latents, ref.result.latents, dtype, f"{card} final latents vs cpu")
     assert_close(ours.result.frames, ref.result.frames, dtype, f"{card} decoded frames vs cpu")
+    if ref.result.audio is not None:  # LTX-2: the waveform too, at the same rate
+        assert ours.result.sample_rate == ref.result.sample_rate
+        assert_close(ours.result.audio, ref.result.audio, dtype, f"{card} waveform vs cpu")
 
 
 @pytest.mark.flowseam_cases(cases=card_cases)
@@ -51,8 +55,12 @@ def test_rollout_log_prob_recomputes(flowseam_platform, flowseam_case, conforman
                                decode=False)
     sde = platform.kernels.get(ops.FLOW_SDE_STEP)
     records = result.records
-    assert len(records) == result.params.num_steps * result.chunks, \
-        f"{len(records)} records for {result.params.num_steps} steps x {result.chunks} chunk(s)"
+    steps = result.params.num_steps * result.chunks
+    if result.params.stages == 2:  # LTX-2: stage 2's refine steps are recorded too
+        steps += len(result.params.refine_sigmas)
+    assert len(records) == steps, \
+        f"{len(records)} records for {steps} steps ({result.chunks} chunk(s), stages " \
+        f"{result.params.stages or 1})"
     assert records[0].sigma == 1.0 and records[-1].sigma_next == 0.0
     if result.chunks > 1:
         assert [r.chunk for r in records] == [c for c in range(result.chunks)
