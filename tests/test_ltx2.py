@@ -287,8 +287,9 @@ def test_two_stages_need_the_upsampler_one_stage_does_not(ckpts, tmp_path, cpu):
 @pytest.mark.backends
 def test_every_step_runs_the_platforms_kernel_and_components_fall_back_visibly(ckpts, fixture_plugins_dir):
     """On a backend that builds only ``vae`` and registers its own ``flow_match_step``: every step of
-    both stages runs that kernel, LTX-2's new kinds fall back to cpu and say so, and every
-    attention call of the DiT goes through the platform's attention op."""
+    both stages runs that kernel (stage 2's re-noising the platform's ``flow_renoise``, cpu's
+    here), LTX-2's new kinds fall back to cpu and say so, and every attention call of the DiT goes
+    through the platform's attention op."""
     with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,testdev_a") as reg:
         platform = flowseam.Platform("testdev_a", registry=reg)
         model = flowseam.load(ckpts["t2v"], platform=platform)
@@ -314,7 +315,10 @@ def test_every_step_runs_the_platforms_kernel_and_components_fall_back_visibly(c
                                    flowseam.ExecutionProfile.ROLLOUT)
         assert [r.index for r in result.records] == list(range(5))  # 2 base + 3 refine steps
         assert {r.impl_id for r in result.records} == {step.impl_id}
-        assert result.kernels == {flowseam.ops.FLOW_MATCH_STEP: step.impl_id}
+        renoise = platform.kernels.get(flowseam.ops.FLOW_RENOISE)  # testdev has none: cpu's
+        assert renoise.provenance.plugin == "cpu"
+        assert result.kernels == {flowseam.ops.FLOW_MATCH_STEP: step.impl_id,
+                                  flowseam.ops.FLOW_RENOISE: renoise.impl_id}
         assert [r.sigma for r in result.records][2:] == pytest.approx(REFINE, abs=1e-6)
         # 5 DiT calls x 2 blocks x 6 attentions (video, audio, 2 text cross, a2v, v2a)
         assert len(seen) == 5 * 2 * 6
@@ -425,7 +429,7 @@ def test_flowgrpo_trains_the_dit_on_both_stages_with_first_epoch_ratio_one(ckpts
     g = FlowGRPO(dict(prompts=[PROMPT], reward=reward, group_size=2, steps=1, seed=0,
                       sampling=sampling, grpo=dict(beta=0.0, clip_range=0.2),
                       optim=dict(lr=1e-3)), model=model)
-    trajectories, results, _ = g.rollout(0)
+    trajectories, results, _, _ = g.rollout(0)
     records = results[0].records
     sde = cpu.kernels.get(flowseam.ops.FLOW_SDE_STEP)
     assert len(records) == 5 and all(r.impl_id == sde.impl_id and r.log_prob is not None

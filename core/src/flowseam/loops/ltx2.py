@@ -10,7 +10,8 @@ base resolution) → upsample the video latents x2 → re-noise to the first ref
 The state the solver moves is one float32 tensor per sample holding the packed video and audio
 latents (the card's layout; see :mod:`flowseam.models.ltx2`): video and audio share every sigma,
 so each step of either stage is **one** call of the kernel ``platform.kernels`` resolved for this
-run (before the first step), and a rollout's BehaviorRecord covers both modalities. With
+run (before the first step), and a rollout's BehaviorRecord covers both modalities; stage 2's
+re-noising is one call of the platform's ``flow_renoise`` kernel. With
 ``ExecutionProfile.ROLLOUT`` every step of both stages is captured with its kernel's
 ``impl_id``; the steps are numbered across the stages (stage 2 continues after stage 1's last
 index), which is also how ``sde_window`` counts them.
@@ -76,9 +77,10 @@ def run(model: "ModelInstance", request: GenerationRequest,
         latents = model.upsample(latents, cond, params)
         t_upsampled = time.perf_counter()
 
-        # 6. Stage 2: re-noise to the first refine sigma, then the refine steps.
+        # 6. Stage 2: re-noise to the first refine sigma (the platform's flow_renoise kernel),
+        #    then the refine steps.
         sigmas2, timesteps2 = model.refine_schedule(params, latents, cond)
-        latents = model.renoise(latents, params.refine_sigmas[0], generators, cond)
+        latents = model.renoise(latents, params.refine_sigmas[0], generators, cond, solver.renoise)
         latents = solver.denoise(model, latents, sigmas2, timesteps2, cond, params, generators,
                                  first=len(timesteps))
     solver.close()
@@ -92,7 +94,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     t_end = time.perf_counter()
     return LoopResult(
         frames=frames, latents=latents, params=params, seeds=seeds, records=solver.records,
-        cond=cond, kernels={solver.op: solver.step.impl_id}, loop="ltx2", audio=audio,
+        cond=cond, kernels=solver.used, loop="ltx2", audio=audio,
         sample_rate=rate,
         seconds={"encode": t_encoded - t_start, "stage1": t_stage1 - t_encoded,
                  "upsample": t_upsampled - t_stage1, "stage2": t_denoised - t_upsampled,
@@ -101,8 +103,8 @@ def run(model: "ModelInstance", request: GenerationRequest,
 
 
 class _Solver:
-    """The step kernels of one run, resolved once from ``platform.kernels`` (the ODE step, and
-    Flow-GRPO's SDE step for an ``sde_rollout``), the BehaviorRecords they produced (with
+    """The kernels of one run, resolved once from ``platform.kernels`` (the ODE step, Flow-GRPO's
+    SDE step for an ``sde_rollout``, and ``flow_renoise``), the BehaviorRecords they produced (with
     ``capture``), and what runs after every step (the progress bar, the step callback)."""
 
     def __init__(self, platform: Any, params: DiffusionParams, capture: bool, total: int,
@@ -111,6 +113,11 @@ class _Solver:
         self.step = platform.kernels.get(self.op)
         # outside an sde_window the step is the ODE one
         self.ode = platform.kernels.get(ops.FLOW_MATCH_STEP) if params.sde_rollout else self.step
+        self.renoise = platform.kernels.get(ops.FLOW_RENOISE)  # stage 2's re-noising
+        #: op → impl_id of every kernel the run used
+        self.used = {self.op: self.step.impl_id}
+        if params.stages == 2:
+            self.used[ops.FLOW_RENOISE] = self.renoise.impl_id
         self.window = range(*params.sde_window) if params.sde_window is not None else None
         self.capture, self.total, self.bar, self.step_callback = capture, total, bar, step_callback
         self.records: list[BehaviorRecord] = []

@@ -39,8 +39,9 @@ shift_terminal=None``):
   implemented (diffusers' ``stg_scale=0``, ``modality_scale=1``, ``guidance_rescale=0``);
 * between the stages, the video latents are denormalised (``x * std / scaling + mean``), upsampled
   and normalised again; the audio latents are carried over; both are re-noised
-  ``s * noise + (1 - s) * x`` at ``s`` = the first refine sigma (text-to-video draws that noise in
-  the packed shapes, image-to-video in the unpacked video shape, as diffusers does);
+  ``(1 - s) * x + s * noise`` at ``s`` = the first refine sigma by the platform's ``flow_renoise``
+  kernel (text-to-video draws that noise in the packed shapes, image-to-video in the unpacked
+  video shape, as diffusers does);
 * decode: video ``x * std / scaling + mean`` → VAE (``temb = 0`` for a timestep-conditioned VAE);
   audio ``x * std + mean`` → audio VAE → vocoder, waveform ``(B, channels, samples)`` at the
   vocoder's ``output_sampling_rate``.
@@ -403,16 +404,14 @@ class LTX2T2V(ModelInstance):
         return self.join(self.pack_video(up), audio)
 
     def renoise(self, latents: torch.Tensor, sigma: float, generators: list[torch.Generator],
-                cond: Conditioning) -> torch.Tensor:
-        """``sigma * noise + (1 - sigma) * x`` on the stage-2 state (diffusers'
-        ``_create_noised_state``); the noise is drawn per sample in the packed video shape, then
-        the packed audio shape."""
+                cond: Conditioning, renoise: Any) -> torch.Tensor:
+        """``(1 - sigma) * x + sigma * noise`` on the stage-2 state with the platform's
+        ``flow_renoise`` kernel ``renoise`` (diffusers' ``_create_noised_state``); the noise is
+        drawn per sample in the packed video shape, then the packed audio shape."""
         layout = self.layout(latents, cond)
         video, audio = self.split(latents, layout)
         noise_v, noise_a = self._noise(generators, video.shape[1:], audio.shape[1:])
-        video = sigma * noise_v.to(video.device) + (1 - sigma) * video
-        audio = sigma * noise_a.to(audio.device) + (1 - sigma) * audio
-        return self.join(video, audio)
+        return renoise(latents, self.join(noise_v, noise_a).to(latents.device), sigma)
 
     # -- 4. velocity ----------------------------------------------------------------------------
     def velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
@@ -566,19 +565,19 @@ class LTX2I2V(LTX2T2V):
         return latent * mask + noise * (1 - mask)
 
     def renoise(self, latents: torch.Tensor, sigma: float, generators: list[torch.Generator],
-                cond: Conditioning) -> torch.Tensor:
-        """As text-to-video, but the video noise is drawn in the unpacked video shape and scaled
-        by ``sigma * (1 - mask)``: the clean first frame stays clean (diffusers' I2V)."""
+                cond: Conditioning, renoise: Any) -> torch.Tensor:
+        """As text-to-video, but the video noise is drawn in the unpacked video shape (as
+        diffusers' I2V does), and the clean first frame stays clean: its tokens keep their values
+        (diffusers scales its noise by ``sigma * (1 - mask)``: 0 there)."""
         layout = self.layout(latents, cond)
         video, audio = self.split(latents, layout)
-        x = self.unpack_video(video, layout.video)
         noise_v, noise_a = self._noise(generators, layout.video, audio.shape[1:])
-        mask = torch.zeros(x.shape[0], 1, *x.shape[2:], device=x.device)
-        mask[:, :, 0] = 1.0
-        scale = sigma * (1 - mask)
-        x = scale * noise_v.to(x.device) + (1 - scale) * x
-        audio = sigma * noise_a.to(audio.device) + (1 - sigma) * audio
-        return self.join(self.pack_video(x), audio)
+        noised = renoise(latents, self.join(self.pack_video(noise_v), noise_a).to(latents.device),
+                         sigma)
+        keep = torch.zeros_like(latents, dtype=torch.bool)
+        keep[:, :layout.video_numel] = (layout.mask[..., None] > 0).expand_as(video).reshape(
+            latents.shape[0], -1)
+        return torch.where(keep, latents, noised)
 
 
 _LTX2_COMPONENTS = (
