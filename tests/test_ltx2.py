@@ -266,6 +266,32 @@ def test_a_checkpoint_missing_a_component_is_refused_naming_it(ckpts, tmp_path, 
         flowseam.load(path, platform=cpu)
 
 
+@pytest.mark.parametrize("scheduler, match", [
+    (dict(stochastic_sampling=True), r"this config asks for flow_match_step\+flow_renoise"),
+    (dict(_class_name="UniPCMultistepScheduler", use_flow_sigmas=True,
+          prediction_type="flow_prediction", flow_shift=1.0),
+     r"this config asks for unipc_step \(UniPCMultistepScheduler\)"),
+    (dict(invert_sigmas=True), r"invert_sigmas=True .* is not implemented"),
+])
+def test_the_scheduler_is_read_as_for_every_card_and_what_the_loop_cannot_step_is_refused(
+        ckpts, tmp_path, scheduler, match, monkeypatch):
+    """The checkpoint's scheduler goes through flowseam.schedulers (its refusals apply); a
+    scheduler the ltx2 loop does not step is refused by name before any weights load."""
+    path = _copy(ckpts, tmp_path)
+    file = path / "scheduler" / "scheduler_config.json"
+    config = json.loads(file.read_text())
+    if "_class_name" in scheduler:
+        config = {"_class_name": scheduler["_class_name"]}
+        index = json.loads((path / "model_index.json").read_text())
+        index["scheduler"] = ["diffusers", scheduler["_class_name"]]
+        (path / "model_index.json").write_text(json.dumps(index))
+    file.write_text(json.dumps(dict(config, **scheduler)))
+    monkeypatch.setattr(flowseam.Platform, "build_component", lambda *a, **k: pytest.fail(
+        "a component was built before the scheduler was refused"))
+    with pytest.raises(FlowseamError, match=match):
+        flowseam.load(path, platform=flowseam.Platform("cpu"))
+
+
 def test_two_stages_need_the_upsampler_one_stage_does_not(ckpts, tmp_path, cpu):
     path = _copy(ckpts, tmp_path)
     shutil.rmtree(path / "latent_upsampler")
@@ -320,6 +346,9 @@ def test_every_step_runs_the_platforms_kernel_and_components_fall_back_visibly(c
         assert result.kernels == {flowseam.ops.FLOW_MATCH_STEP: step.impl_id,
                                   flowseam.ops.FLOW_RENOISE: renoise.impl_id}
         assert [r.sigma for r in result.records][2:] == pytest.approx(REFINE, abs=1e-6)
+        assert result.solver.startswith(f"solver flow_match_step [{step.impl_id}] (ODE) on the "
+                                        "stage-1 schedule: use_dynamic_shifting=True (checkpoint)")
+        assert f"stage 2: flow_renoise [{renoise.impl_id}] to sigma 0.909375" in result.solver
         # 5 DiT calls x 2 blocks x 6 attentions (video, audio, 2 text cross, a2v, v2a)
         assert len(seen) == 5 * 2 * 6
         assert "testdev_a" in model.provenance() and "audio_vae=cpu/cpu (fallback)" in model.provenance()

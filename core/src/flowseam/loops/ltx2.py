@@ -94,8 +94,8 @@ def run(model: "ModelInstance", request: GenerationRequest,
     t_end = time.perf_counter()
     return LoopResult(
         frames=frames, latents=latents, params=params, seeds=seeds, records=solver.records,
-        cond=cond, kernels=solver.used, loop="ltx2", audio=audio,
-        sample_rate=rate,
+        cond=cond, kernels=solver.used, loop="ltx2", audio=audio, sample_rate=rate,
+        solver=solver.describe(model.solver_line(), params),
         seconds={"encode": t_encoded - t_start, "stage1": t_stage1 - t_encoded,
                  "upsample": t_upsampled - t_stage1, "stage2": t_denoised - t_upsampled,
                  "denoise": t_denoised - t_encoded, "decode": t_end - t_denoised,
@@ -116,11 +116,26 @@ class _Solver:
         self.renoise = platform.kernels.get(ops.FLOW_RENOISE)  # stage 2's re-noising
         #: op → impl_id of every kernel the run used
         self.used = {self.op: self.step.impl_id}
+        if params.sde_rollout and params.sde_window is not None:
+            self.used[ops.FLOW_MATCH_STEP] = self.ode.impl_id
         if params.stages == 2:
             self.used[ops.FLOW_RENOISE] = self.renoise.impl_id
         self.window = range(*params.sde_window) if params.sde_window is not None else None
         self.capture, self.total, self.bar, self.step_callback = capture, total, bar, step_callback
         self.records: list[BehaviorRecord] = []
+
+    def describe(self, solver_line: str, params: DiffusionParams) -> str:
+        """One line: the ops and kernels that ran, on the checkpoint's schedule (``solver_line``,
+        the model's), and stage 2's re-noising and refine sigmas."""
+        how = "ODE" if not params.sde_rollout else "Flow-GRPO SDE rollout" + (
+            f", SDE steps {self.window.start}-{self.window.stop - 1}" if self.window else "")
+        settings = solver_line.split(": ", 1)[-1]
+        line = f"solver {self.op} [{self.step.impl_id}] ({how}) on the stage-1 schedule: {settings}"
+        if params.stages == 2:
+            line += (f"; stage 2: {ops.FLOW_RENOISE} [{self.renoise.impl_id}] to sigma "
+                     f"{params.refine_sigmas[0]}, then sigmas {list(params.refine_sigmas)} "
+                     "(no dynamic or terminal shift)")
+        return line
 
     def close(self) -> None:
         if self.bar is not None:

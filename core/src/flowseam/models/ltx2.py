@@ -54,6 +54,7 @@ frame, which is kept clean: its tokens get timestep 0 and are never stepped nor 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,7 @@ from ..request import (
     check_frames,
     check_multiple,
 )
+from ..schedulers import EULER, SolverConfig
 from .base import ComponentEntry, Conditioning, ModelCard, ModelInstance, postprocess
 
 #: Lightricks' distilled stage-2 sigmas (diffusers ``STAGE_2_DISTILLED_SIGMA_VALUES``).
@@ -155,10 +157,10 @@ class LTX2T2V(ModelInstance):
             raise ValueError(f"flow_shift={params.flow_shift!r} is not taken by {self.card.name}: "
                              "its sigmas are shifted by the scheduler config's dynamic shift (mu from "
                              "the video token count); leave flow_shift unset")
-        if self.scheduler_config.get("shift_terminal") and params.num_steps < 2:
+        if self.solver.config.get("shift_terminal") and params.num_steps < 2:
             raise ValueError(
                 f"num_steps={params.num_steps} must be >= 2 with this checkpoint's scheduler: its "
-                f"shift_terminal={self.scheduler_config['shift_terminal']} stretches the schedule "
+                f"shift_terminal={self.solver.config['shift_terminal']} stretches the schedule "
                 "so that its last sigma lands there, which one step cannot do (diffusers gives NaN)")
         if params.stages not in (1, 2):
             raise ValueError(f"stages={params.stages!r} must be 1 (base resolution only) or 2 "
@@ -334,42 +336,38 @@ class LTX2T2V(ModelInstance):
         """Image-to-video's clean-first-frame token mask; None for text-to-video."""
         return None
 
-    def _scheduler(self, **overrides: Any):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(dict(self.scheduler_config, **overrides))
-
-    def _record_sigmas(self, state: torch.Tensor, cond: Conditioning, scheduler) -> tuple[list[float], torch.Tensor]:
-        timesteps = scheduler.timesteps.to(torch.float32)
-        sigmas = scheduler.sigmas.tolist()
+    def _record_sigmas(self, state: torch.Tensor, cond: Conditioning,
+                       schedule: tuple[list[float], torch.Tensor]) -> tuple[list[float], torch.Tensor]:
+        sigmas, timesteps = schedule
         self.layout(state, cond).sigmas.update(
             {float(t): s for t, s in zip(timesteps.tolist(), sigmas)})
         return sigmas, timesteps
 
     def schedule(self, params: DiffusionParams, latents: torch.Tensor,
                  cond: Conditioning | None = None) -> tuple[list[float], torch.Tensor]:
-        """Stage 1: ``linspace(1, 1/N, N)`` through the checkpoint's scheduler config, with the
-        dynamic shift ``mu`` from the video token count (diffusers' ``calculate_shift``).
-        Returns the N + 1 sigmas (ending in 0) and the N timesteps ``sigma * 1000`` (float32)."""
+        """Stage 1: ``linspace(1, 1/N, N)`` through the checkpoint's resolved scheduler
+        (``self.solver``, :mod:`flowseam.schedulers`), with the dynamic shift ``mu`` from the
+        video token count (diffusers' ``calculate_shift`` with the config's base/max seq len and
+        shifts). Returns the N + 1 sigmas (ending in 0) and the N timesteps ``sigma * 1000``
+        (float32)."""
         layout = self.layout(latents, cond)
-        c = self.scheduler_config
+        c = self.solver.config
         tokens = self.split(latents[:1], layout)[0].shape[1]
-        base_len, max_len = c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096)
-        base_shift, max_shift = c.get("base_shift", 0.95), c.get("max_shift", 2.05)
-        m = (max_shift - base_shift) / (max_len - base_len)
-        mu = tokens * m + (base_shift - m * base_len)
+        m = (c["max_shift"] - c["base_shift"]) / (c["max_image_seq_len"] - c["base_image_seq_len"])
+        mu = tokens * m + (c["base_shift"] - m * c["base_image_seq_len"])
         n = params.num_steps
-        scheduler = self._scheduler()
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), device=latents.device, mu=mu)
-        return self._record_sigmas(latents, cond, scheduler)
+        return self._record_sigmas(latents, cond, self.solver.timesteps(
+            n, sigmas=np.linspace(1.0, 1 / n, n), mu=mu, device=latents.device))
 
     def refine_schedule(self, params: DiffusionParams, latents: torch.Tensor,
                         cond: Conditioning) -> tuple[list[float], torch.Tensor]:
-        """Stage 2: ``refine_sigmas`` as they are (the scheduler without dynamic or terminal
-        shift, as diffusers' two-stage recipe sets it), then 0."""
-        scheduler = self._scheduler(use_dynamic_shifting=False, shift_terminal=None)
-        scheduler.set_timesteps(sigmas=list(params.refine_sigmas), device=latents.device)
-        return self._record_sigmas(latents, cond, scheduler)
+        """Stage 2: ``refine_sigmas`` through the checkpoint's scheduler without dynamic or
+        terminal shift (as diffusers' two-stage recipe sets it; with LTX-2's ``shift=1`` they
+        stay as they are), then 0."""
+        solver = dataclasses.replace(self.solver, config=dict(
+            self.solver.config, use_dynamic_shifting=False, shift_terminal=None))
+        return self._record_sigmas(latents, cond, solver.timesteps(
+            len(params.refine_sigmas), sigmas=list(params.refine_sigmas), device=latents.device))
 
     def _latent_stats(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         vae = self.components["vae"]
@@ -603,14 +601,37 @@ _LTX2_DEFAULTS = dict(num_steps=30, guidance_scale=3.0, audio_guidance_scale=7.0
                       width=1536, num_frames=121, frame_rate=24.0, max_sequence_length=1024,
                       stages=2, refine_sigmas=REFINE_SIGMAS, refine_guidance_scale=1.0)
 
-LTX2_T2V = ModelCard(
+@dataclass(frozen=True)
+class LTX2Card(ModelCard):
+    """An LTX-2 card: its scheduler is read as every card's (:mod:`flowseam.schedulers`;
+    ``LTX2Pipeline`` passes a resolution-dependent ``mu``), and the ``ltx2`` loop steps it with
+    ``flow_match_step`` (Flow-GRPO's ``flow_sde_step`` for a rollout).
+
+    Decision: diffusers' LTX-2 pipelines would also step another scheduler class, but Lightricks
+    ships only FlowMatchEuler (deterministic) for LTX-2 and the two-stage recipe re-noises with
+    its sigmas; flowseam's ``ltx2`` loop implements exactly that, and refuses UniPC and
+    ``stochastic_sampling`` by name rather than run them differently from diffusers.
+    """
+
+    def resolve_solver(self, scheduler_config: Any, **kwargs: Any) -> SolverConfig:
+        """:raises FlowseamError: for a scheduler the ``ltx2`` loop does not step (above)."""
+        solver = super().resolve_solver(scheduler_config, **kwargs)
+        if solver.scheduler_class != EULER or solver.config.get("stochastic_sampling"):
+            raise FlowseamError(
+                f"{solver.file}: {self.name} runs {EULER} without stochastic_sampling (the "
+                f"scheduler LTX-2 ships); this config asks for {solver.op} "
+                f"({solver.scheduler_class}), which flowseam's ltx2 loop does not implement")
+        return solver
+
+
+LTX2_T2V = LTX2Card(
     name="ltx2-t2v", pipeline_class="LTX2Pipeline", tasks=(TaskType.T2V,),
     components=_LTX2_COMPONENTS, defaults=_LTX2_DEFAULTS, rules=_LTX2_RULES, instance=LTX2T2V,
-    loops=("ltx2",), audio=True)
+    loops=("ltx2",), audio=True, passes_mu=True)
 
-LTX2_I2V = ModelCard(
+LTX2_I2V = LTX2Card(
     name="ltx2-i2v", pipeline_class="LTX2ImageToVideoPipeline", tasks=(TaskType.I2V,),
     components=_LTX2_COMPONENTS, defaults=_LTX2_DEFAULTS,
     rules=_LTX2_RULES + ("an image is required: H.264 re-compressed at the model's CRF, resized "
                          "(bilinear) to the stage-1 size; it becomes the clean first latent frame",),
-    instance=LTX2I2V, loops=("ltx2",), audio=True)
+    instance=LTX2I2V, loops=("ltx2",), audio=True, passes_mu=True)
