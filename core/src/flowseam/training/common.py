@@ -232,6 +232,22 @@ def check_replicas(dp: DataParallel, stages: list[Stage]) -> None:
                             "from rank 0 after training")
 
 
+def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
+    """``reward_mean`` and ``reward_std`` (population) of the finite entries of ``rewards``
+    (NaN when none is finite)."""
+    finite = rewards[torch.isfinite(rewards)]
+    if not finite.numel():
+        return {"reward_mean": float("nan"), "reward_std": float("nan")}
+    return {"reward_mean": float(finite.mean()), "reward_std": float(finite.std(unbiased=False))}
+
+
+def sync_updated(stages: list[Stage], stats: dict[str, Any]) -> None:
+    """Sync each stage whose update ran an optimizer step (``stats[name].grad_norms``)."""
+    for stage in stages:
+        if stats[stage.name].grad_norms:
+            stage.sync.sync()
+
+
 def require_group_size(k: int) -> None:
     if not isinstance(k, int) or k < 2:
         raise FlowseamError(f"group_size={k!r} must be an integer >= 2: Flow-GRPO's advantage is "

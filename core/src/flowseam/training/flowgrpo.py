@@ -70,6 +70,7 @@ from .common import (
     Timer,
     derive_seed,
     require_group_size,
+    reward_summary,
     run_training,
 )
 from .config import section
@@ -231,11 +232,8 @@ class FlowGRPO:
                 self.stage.sync.sync()
         per_rank = self.dp.gather_objects(stats)
         self.last_stats = stats = UpdateStats.merged(per_rank)
-        finite = rewards[torch.isfinite(rewards)]
         self.step += 1
-        record = {"step": self.step, "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
-                  "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
-                  **adv_stats, "groups_skipped_nan_total": self.skipped_groups, **stats.summary(),
+        record = {"step": self.step, **reward_summary(rewards), **adv_stats, "groups_skipped_nan_total": self.skipped_groups, **stats.summary(),
                   "updated": bool(stats.grad_norms), "weights_version": self.stage.sync.version,
                   **UpdateStats.by_rank(per_rank),
                   **{f"seconds_{k}": v for k, v in timer.seconds.items()}}

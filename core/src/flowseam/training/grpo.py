@@ -165,7 +165,7 @@ def train_timesteps(n_steps: int, fraction: float, seed: int) -> list[int]:
 def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                trajectories: list[Trajectory], optimizer: torch.optim.Optimizer, cfg: GRPOConfig,
                seed: int, after_step: Callable[[], None] | None = None,
-               dp: DataParallel | None = None) -> UpdateStats:
+               dp: DataParallel | None = None, expert: str | None = None) -> UpdateStats:
     """Flow-GRPO's PPO update of ``policy`` on ``trajectories``.
 
     The loss is the mean, over every row (sample) of every trained trajectory and every selected
@@ -183,6 +183,10 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
     :param trajectories: rollouts with ``sde_rollout=True``; the steps with a log-prob (every
         step, or those of ``params.sde_window``) are the ones trained on.
     :param seed: picks the trained steps (``timestep_fraction`` of the SDE steps) reproducibly.
+    :param expert: train only on the picked steps this DiT expert produced
+        (``BehaviorRecord.expert``; ``policy`` is the trainer's copy of that expert): the steps
+        are picked among all SDE steps first, with ``seed``, so the experts of a multi-expert
+        model share one pick. With none of its steps picked nothing is updated.
     :returns: the ratios (per epoch), clip fractions, approximate KL, KL to the reference and
         gradient norms (before clipping) of this rank's trained trajectories.
     :raises KernelPinError: if a record's kernel is not available on the model's platform.
@@ -203,6 +207,10 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
         raise ValueError("Flow-GRPO needs SDE rollouts (params.sde_rollout=True); no step of the "
                          "rollout has a log-prob")
     steps = [stochastic[k] for k in train_timesteps(len(stochastic), cfg.timestep_fraction, seed)]
+    if expert is not None:
+        steps = [j for j in steps if work[0].result.records[j].expert == expert]
+        if not steps:
+            return stats
     # each row's weight in the mean; × world size because DDP/FSDP average gradients over ranks
     row_weight = dp.world_size / (n_rows * len(steps))
     for epoch in range(cfg.inner_epochs):

@@ -78,7 +78,8 @@ from ..platform import Platform
 from ..refiner import PromptRefiner, RefinerSampling, check_template
 from ..request import GenerationRequest, TaskType
 from . import get_reward
-from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, run_training
+from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, reward_summary,
+                     run_training, sync_updated)
 from .config import section
 from .flowgrpo import SAMPLING_DEFAULTS, check_top, sampling_params
 from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
@@ -323,9 +324,7 @@ class UnifiedRL:
                                          tree["lm"], lm_adv, lm_trained, self.lm_stage.optimizer,
                                          self.lm_grpo)
         with timer("sync"):
-            for stage in self.stages:
-                if stats[stage.name].grad_norms:
-                    stage.sync.sync()
+            sync_updated(self.stages, stats)
         self.last_stats, self.last_rollout = stats, tree
         self.step += 1
         record = {"step": self.step, **reward_stats(rewards, self.U), **adv_stats,
@@ -375,10 +374,7 @@ def reward_stats(rewards: torch.Tensor, unrefined: int) -> dict[str, float]:
         x = x[torch.isfinite(x)]
         return float(x.mean()) if x.numel() else float("nan")
 
-    finite = rewards[torch.isfinite(rewards)]
-    out = {"reward_mean": mean(rewards),
-           "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
-           "reward_refined_mean": mean(rewards[:, unrefined:])}
+    out = {**reward_summary(rewards), "reward_refined_mean": mean(rewards[:, unrefined:])}
     if unrefined:
         out["reward_unrefined_mean"] = mean(rewards[:, :unrefined])
     return out

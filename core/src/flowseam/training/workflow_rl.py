@@ -60,7 +60,9 @@ from .common import (
     Timer,
     derive_seed,
     require_group_size,
+    reward_summary,
     run_training,
+    sync_updated,
 )
 from .config import section
 from .distributed import DataParallel, data_parallel
@@ -154,15 +156,10 @@ class WorkflowRL:
                 per_rank[stage.name] = self.dp.gather_objects(mine)
                 stats[stage.name] = UpdateStats.merged(per_rank[stage.name])
         with timer("sync"):
-            for stage in self.stages:
-                if stats[stage.name].grad_norms:
-                    stage.sync.sync()
+            sync_updated(self.stages, stats)
         self.last_stats = stats
-        finite = rewards[torch.isfinite(rewards)]
         self.step += 1
-        record = {"step": self.step,
-                  "reward_mean": float(finite.mean()) if finite.numel() else float("nan"),
-                  "reward_std": float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
+        record = {"step": self.step, **reward_summary(rewards),
                   **adv_stats, "groups_skipped_nan_total": self.skipped_groups,
                   **{k: v for s in self.stages for k, v in stats[s.name].summary(f"{s.name}_").items()},
                   **{k: v for s in self.stages

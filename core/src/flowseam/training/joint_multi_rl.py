@@ -1,0 +1,282 @@
+"""The ``joint_multi_rl`` training method: Flow-GRPO over a model whose denoising steps are split
+between several DiT experts (Wan2.2 A14B: ``transformer`` for the high-noise steps,
+``transformer_2`` below ``boundary_ratio``), each expert trained on the steps it produced.
+
+A plugin module of its own, registered through its own entry point in core's pyproject
+(``joint_multi_rl = "flowseam.training.joint_multi_rl"``) exactly as a third-party method would be.
+
+Each step rolls out and scores exactly as ``flowgrpo`` does (the serve loop with
+``ExecutionProfile.ROLLOUT``, groups of ``group_size`` samples per prompt, group-relative
+advantages). Every :class:`~flowseam.loops.BehaviorRecord` names the expert that ran its step
+(``record.expert``); before any update the step → expert map of every rollout is checked against
+the model's own (``model.expert_at(timestep)``), so a rollout replayed on a model with another
+boundary is refused instead of crediting the wrong expert. The trained steps (``timestep_fraction``
+of the SDE steps: all steps, or those of ``[sampling] sde_window``) are picked once per step for
+the whole model; each expert then runs its own PPO update
+(:func:`~flowseam.training.grpo.ppo_update` with ``expert=``) on the picked steps it produced,
+recomputing their log-probs with the pinned kernels (C2: first-epoch ratio 1) — so the SDE window
+and the timestep fraction decide which experts learn. An expert none of whose steps is an SDE step
+is warned about once per run (it cannot learn); a step that picks none of its steps leaves it
+untouched (no optimizer step, no weight decay).
+
+Each expert has its own trainer copy, frozen reference (KL), AdamW optimizer and learning rate,
+optional LoRA, and :class:`~flowseam.training.weight_sync.WeightSyncPlan` to the rollout instance;
+``freeze = true`` keeps an expert as loaded (it still rolls out its steps). Checkpoints hold every
+trained expert's weights and optimizer under its component name; a resumed run is bit-identical to
+an uninterrupted one.
+
+Config (TOML/YAML or dict): ``flowgrpo``'s keys (``model``, ``backend``, ``prompts``, ``reward``,
+``reward_args``, ``group_size``, ``prompts_per_step``, ``steps``, ``seed``, ``output_dir``,
+``checkpoint_every``, ``[sampling]`` — plus ``guidance_scale_2``, the low-noise expert's
+guidance —, ``[grpo]``, ``[optim]``, ``[lora]``) and one table per expert to override::
+
+    model = "path/to/wan2.2-checkpoint"
+    [optim] lr = 1e-4                       # every expert's defaults
+    [experts.transformer]                   # the high-noise expert
+    lr = 5e-5                               # [optim]'s keys: lr, weight_decay, beta1, beta2, adam_eps
+    [experts.transformer_2]
+    freeze = true                           # not trained (still rolls out its steps)
+    [experts.transformer_2.lora]            # [lora]'s keys: rank, alpha, target_modules
+    rank = 4
+
+Expert names are the checkpoint's DiT components (read from its ``model_index.json`` before any
+weights load); an unknown name, or every expert frozen, is refused. One process: ``--nproc`` and
+``[ray]`` are not implemented for this method (refused).
+
+Metrics per step (JSON lines): flowgrpo's reward and advantage figures, and per expert (prefix
+``<expert>_``, e.g. ``transformer_2_clip_frac``) the PPO ratio (and its first-epoch deviation from
+1), clip fraction, approximate KL, KL to the reference, gradient norm, ``sde_steps`` (the SDE
+steps of the rollout it produced), ``trained_steps`` (those picked this step), ``updated`` and its
+weights version (frozen experts: ``sde_steps`` only).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FlowseamError
+from ..hookspecs import hookimpl
+from ..loading import load, read_json, resolve_checkpoint
+from ..loops import LoopResult
+from ..models import card_for_index
+from ..models.base import ModelInstance
+from ..platform import Platform
+from ..request import TaskType
+from . import get_reward
+from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed,
+                     require_group_size, reward_summary, run_training,
+                     sync_updated)
+from .config import section
+from .distributed import DataParallel
+from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling, check_top
+from .grpo import GRPO_DEFAULTS, GRPOConfig, UpdateStats, group_advantages, ppo_update, train_timesteps
+from .rewards import score
+
+TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness", reward_args={},
+                    group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
+                    checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={}, experts={})
+JOINT_SAMPLING_DEFAULTS = dict(SAMPLING_DEFAULTS, guidance_scale_2=None)
+#: the keys of one ``[experts.<name>]`` table
+EXPERT_DEFAULTS = dict(OPTIM_DEFAULTS, freeze=False, lora={})
+
+
+def expert_settings(config: dict[str, Any], experts: tuple[str, ...], optim: dict[str, Any],
+                    lora: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each expert's ``{"optim", "lora", "freeze"}``: ``[optim]``/``[lora]`` overridden by its
+    ``[experts.<name>]`` table.
+
+    :raises FlowseamError: for a name that is not one of ``experts``, an unknown key, a
+        non-boolean ``freeze``, or every expert frozen.
+    """
+    tables = config.get("experts") or {}
+    if not isinstance(tables, dict):
+        raise FlowseamError(f"experts={tables!r} must be a table of [experts.<name>] tables")
+    unknown = sorted(set(tables) - set(experts))
+    if unknown:
+        raise FlowseamError(f"config [experts] names {unknown}, which the model does not have; its "
+                            f"DiT experts are {list(experts)}")
+    out = {}
+    for name in experts:
+        where = f"experts.{name}"
+        own = section({where: tables.get(name)}, where, EXPERT_DEFAULTS) if name in tables \
+            else dict(EXPERT_DEFAULTS)
+        if not isinstance(own["freeze"], bool):
+            raise FlowseamError(f"[{where}] freeze={own['freeze']!r} must be true or false")
+        given = tables.get(name) or {}
+        out[name] = {"optim": {k: given.get(k, optim[k]) for k in OPTIM_DEFAULTS},
+                     "lora": section({f"{where}.lora": own["lora"]}, f"{where}.lora", lora),
+                     "freeze": own["freeze"]}
+    if all(s["freeze"] for s in out.values()):
+        raise FlowseamError(f"every expert is frozen ({list(experts)}): nothing would be trained; "
+                            "drop freeze = true from at least one [experts.<name>] table")
+    return out
+
+
+def checkpoint_experts(path: str) -> tuple[str, ...]:
+    """The DiT experts (component names, high-noise first) of the checkpoint at ``path``, read
+    from its ``model_index.json`` without loading any weights."""
+    root = resolve_checkpoint(path)
+    index_file = root / "model_index.json"
+    try:
+        return tuple(card_for_index(read_json(index_file), str(index_file)).experts)
+    except ValueError as e:
+        raise FlowseamError(str(e)) from None
+
+
+def check_expert_map(model: ModelInstance, result: LoopResult) -> None:
+    """Assert at replay that every record names the expert that owns its timestep on ``model``
+    (``model.expert_at``), as ``result.experts`` says.
+
+    :raises FlowseamError: naming the first step whose expert disagrees.
+    """
+    if len(result.experts) != len(result.records):
+        raise FlowseamError(f"the rollout names {len(result.experts)} experts for "
+                            f"{len(result.records)} steps: it was not produced by this loop")
+    for j, (rec, name) in enumerate(zip(result.records, result.experts)):
+        owner = model.expert_at(rec.timestep)
+        if not rec.expert == name == owner:
+            raise FlowseamError(f"step {j} (timestep {float(rec.timestep.reshape(-1)[0]):.1f}) was recorded as "
+                                f"produced by {rec.expert!r}, but {model.card.name} assigns it to "
+                                f"{owner!r}: the rollout does not belong to this model's expert "
+                                "boundary; refusing to credit the wrong expert")
+
+
+class JointMultiRL(FlowGRPO):
+    """Flow-GRPO over a model with N DiT experts, each trained on its own steps.
+    ``JointMultiRL(config).run()``; see the module docstring. Rollout, reward and evaluation are
+    ``flowgrpo``'s (one process, no fleet).
+
+    :param model: an already loaded instance (else ``config["model"]`` is loaded).
+    :param reward: a reward callable (else ``config["reward"]`` among the plugins).
+    :raises FlowseamError: for an invalid config, naming the key and what is allowed (before any
+        weights load).
+    """
+
+    name = "joint_multi_rl"
+
+    def __init__(self, config: dict[str, Any], model: ModelInstance | None = None, reward=None) -> None:
+        self.config = cfg = check_top(config, TOP_DEFAULTS)
+        self.check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        require_group_size(cfg["group_size"])
+        if not cfg["prompts"] or not all(isinstance(p, str) for p in cfg["prompts"]):
+            raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of strings")
+        self.sampling = check_sampling(section(cfg, "sampling", JOINT_SAMPLING_DEFAULTS))
+        self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
+        optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
+        if model is None and not cfg["model"]:
+            raise FlowseamError("config needs model = <checkpoint directory>")
+        experts = tuple(model.experts) if model is not None else checkpoint_experts(cfg["model"])
+        self.settings = expert_settings(cfg, experts, optim, lora)
+        if model is None:
+            model = load(cfg["model"], platform=Platform(cfg["backend"]) if cfg["backend"]
+                         else Platform.detect())
+        if TaskType.I2V in model.card.tasks:
+            raise FlowseamError(f"joint_multi_rl trains text-conditioned models; {model.card.name} "
+                                "needs an image per prompt")
+        self.model = model
+        self.dp = DataParallel.single()
+        self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
+        self.fleet = None
+        self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
+        self.stages = [Stage.create(name, model, s["optim"], s["lora"], with_reference=self.grpo.beta > 0,
+                                    component=name)
+                       for name, s in self.settings.items() if not s["freeze"]]
+        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
+                              cfg["checkpoint_every"])
+        self.step = 0
+        self.progress = True
+        self.last_stats: dict[str, UpdateStats] = {}
+        self.skipped_groups = 0
+        self.warned_no_sde: set[str] = set()
+
+    @staticmethod
+    def check_world_size(config: dict[str, Any], world_size: int) -> None:
+        """:raises FlowseamError: for more than one rank (``flowseam train --nproc`` calls it
+        before any rank starts)."""
+        if world_size > 1:
+            raise FlowseamError(f"joint_multi_rl runs on one process; {world_size} ranks (--nproc / "
+                                "torchrun) are not implemented for it: drop --nproc")
+
+    # -- one step ---------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """One step: rollouts, rewards, advantages, one PPO update per trained expert on the
+        picked SDE steps it produced, the syncs; returns its metrics (also in metrics.jsonl)."""
+        timer = Timer()
+        cfg = self.config
+        with timer("rollout"):
+            trajectories, results, prompts, _ = self.rollout(self.step)
+        for result in results:
+            check_expert_map(self.model, result)
+        with timer("reward"):
+            scored = [score(self.reward, [p] * len(r.seeds), r.frames) for p, r in zip(prompts, results)]
+            rewards = torch.cat(scored).view(len(self.shard.groups), len(self.shard.members))
+        adv, _, adv_stats = group_advantages(rewards, self.grpo)
+        if adv_stats["groups_skipped_nan"]:
+            self.skipped_groups += adv_stats["groups_skipped_nan"]
+            warnings.warn(f"step {self.step}: reward returned NaN for {adv_stats['groups_skipped_nan']} "
+                          "group(s); skipped them (no update from those samples)", stacklevel=2)
+        trained = (adv != 0).any(dim=1)
+        for g, traj in enumerate(trajectories):  # one batch per group (no fleet)
+            traj.advantages, traj.trained = adv[g], bool(trained[g])
+        # which expert got which SDE step, and which of them this step trains on
+        records = results[0].records
+        sde = [j for j, rec in enumerate(records) if rec.log_prob is not None]
+        seed = derive_seed(cfg["seed"], self.step, 99)
+        picked = [sde[k] for k in train_timesteps(len(sde), self.grpo.timestep_fraction, seed)] if sde else []
+        counts = {name: {"sde_steps": sum(records[j].expert == name for j in sde),
+                         "trained_steps": sum(records[j].expert == name for j in picked)}
+                  for name in self.settings}
+        self.warn_idle_experts(counts)
+        stats: dict[str, UpdateStats] = {}
+        with timer("update"):
+            for stage in self.stages:
+                stats[stage.name] = ppo_update(stage.trainer, stage.reference, trajectories, stage.optimizer,
+                                               self.grpo, seed=seed, expert=stage.name)
+        with timer("sync"):
+            sync_updated(self.stages, stats)
+        self.last_stats = stats
+        self.step += 1
+        record = {"step": self.step, **reward_summary(rewards), **adv_stats, "groups_skipped_nan_total": self.skipped_groups}
+        for name, c in counts.items():
+            record.update({f"{name}_{k}": v for k, v in c.items()})
+        for stage in self.stages:
+            s = stats[stage.name]
+            record.update({**s.summary(f"{stage.name}_"), f"{stage.name}_updated": bool(s.grad_norms),
+                           f"{stage.name}_weights_version": stage.sync.version})
+        record.update({f"seconds_{k}": v for k, v in timer.seconds.items()})
+        self.files.write(record)
+        self.files.maybe_checkpoint(self.step, self.stages, {"skipped_groups": self.skipped_groups})
+        return record
+
+    def warn_idle_experts(self, counts: dict[str, dict[str, int]]) -> None:
+        """Warn (once per run and expert) about a trained expert that produced no SDE step."""
+        for stage in self.stages:
+            if counts[stage.name]["sde_steps"] == 0 and stage.name not in self.warned_no_sde:
+                self.warned_no_sde.add(stage.name)
+                window = self.sampling.get("sde_window")
+                warnings.warn(
+                    f"expert {stage.name!r} gets no SDE step (sde_window={window!r}, "
+                    f"{self.sampling['num_steps']} steps, the experts switch at timestep "
+                    f"{self.model.boundary_timestep}): it cannot learn in this run; move the "
+                    "window onto its steps or freeze it", UserWarning, stacklevel=3)
+
+    # -- the run ----------------------------------------------------------------------------
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
+        self.progress = progress
+        records = run_training(self, self.stages, "joint_multi_rl", "reward_mean")
+        return {"steps": self.step, "records": records,
+                "weights_versions": {s.name: s.sync.version for s in self.stages}}
+
+    def close(self) -> None:
+        """Nothing to shut down (no rollout fleet)."""
+
+
+@hookimpl
+def flowseam_training_methods():
+    return {"joint_multi_rl": JointMultiRL}
