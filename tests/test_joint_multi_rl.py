@@ -109,21 +109,35 @@ def test_constant_reward_leaves_every_expert_bit_identical(ckpt, cpu):
     assert out["weights_versions"] == {"transformer": 0, "transformer_2": 0}
 
 
-def test_a_frozen_expert_stays_as_loaded_and_lora_is_per_expert(ckpt, cpu):
+def test_a_frozen_expert_stays_as_loaded_and_lora_is_per_expert(ckpt, cpu, tmp_path):
     j = _joint(ckpt, cpu, experts={"transformer": {"freeze": True},
-                                   "transformer_2": {"lora": {"rank": 2}}})
+                                   "transformer_2": {"lora": {"rank": 2}}}, output_dir=str(tmp_path))
     assert [s.name for s in j.stages] == ["transformer_2"]
     high = _params(j.model.experts["transformer"])
     assert not any("lora_" in n for n in high)
     trained = [n for n, p in j.stages[0].policy.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)
     base = {n: p for n, p in _params(j.stages[0].policy).items() if "lora_" not in n}
-    rec = j.train_step()
+    out = j.run(progress=False)
+    rec = out["records"][0]
     assert _same(high, j.model.experts["transformer"]) and "transformer_updated" not in rec
     assert rec["transformer_sde_steps"] == _expert_of_each_step().count("transformer")
     now = _params(j.stages[0].policy)
     assert all(torch.equal(base[n], now[n]) for n in base)  # only the adapters moved
     assert rec["transformer_2_updated"]
+    # the saved model has the adapters fused: it loads without peft and gives the trained velocity
+    saved = flowseam.load(out["model"], platform=cpu, quiet=True)
+    assert not any("lora_" in n for n, _ in saved.experts["transformer_2"].named_parameters())
+    _, results, _, _ = j.rollout(1)
+    res, last = results[0], results[0].records[-1]
+    with torch.no_grad():
+        want = j.model.velocity(last.latents, last.timestep, res.cond, res.params, expert="transformer_2")
+        got = j.model.velocity(last.latents, last.timestep, res.cond, res.params, expert="transformer_2",
+                               dit=saved.experts["transformer_2"])
+        untrained = j.model.velocity(last.latents, last.timestep, res.cond, res.params,
+                                     expert="transformer_2", dit=flowseam.load(ckpt, platform=cpu,
+                                                                              quiet=True).experts["transformer_2"])
+    assert torch.allclose(got, want, atol=1e-5) and not torch.equal(untrained, want)
 
 
 def test_the_step_expert_map_is_asserted_at_replay(ckpt, cpu):
@@ -151,6 +165,11 @@ def test_resume_is_bit_identical(ckpt, cpu, tmp_path):
     ma, mb = (read_metrics(tmp_path / d / "metrics.jsonl") for d in "ab")
     assert strip(ma) == strip(mb) and [r["step"] for r in mb] == [1, 2]
     assert mb[1]["transformer_weights_version"] == 2 and mb[1]["transformer_2_weights_version"] == 2
+    # the run ends with a loadable model: both trained experts, as the rollout instance holds them
+    saved = flowseam.load(tmp_path / "b" / "model", platform=cpu, quiet=True)
+    for name in EXPERTS:
+        assert all(torch.equal(p, q) for p, q in zip(saved.experts[name].parameters(),
+                                                     resumed.model.experts[name].parameters()))
 
 
 @pytest.mark.parametrize("over, message", [

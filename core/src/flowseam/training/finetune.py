@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,7 +50,8 @@ from ..loading import load
 from ..models.base import Conditioning, ModelInstance
 from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
-from .common import LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, run_training
+from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, run_training,
+                     save_model)
 from .config import section
 from .distributed import DataParallel, data_parallel, whole
 from .flowgrpo import check_top
@@ -334,18 +334,6 @@ class Finetune:
 
     def save(self, path: str | Path) -> Path:
         """Write the model with the trained DiT as a diffusers-format checkpoint (atomically)."""
-        if self.model.path is None:
-            raise FlowseamError("cannot save: the model was not loaded from a checkpoint directory")
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self.model.path, tmp)
-        sub = tmp / self.model.DIT
-        shutil.rmtree(sub)
         # the rollout copy holds the policy's weights after every step's sync, whole even when
         # the policy itself is FSDP-sharded
-        self.model.dit.save_pretrained(sub)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-        return path
+        return save_model(self.model, path, {self.model.DIT: self.model.dit})

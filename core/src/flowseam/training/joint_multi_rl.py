@@ -23,7 +23,8 @@ Each expert has its own trainer copy, frozen reference (KL), AdamW optimizer and
 optional LoRA, and :class:`~flowseam.training.weight_sync.WeightSyncPlan` to the rollout instance;
 ``freeze = true`` keeps an expert as loaded (it still rolls out its steps). Checkpoints hold every
 trained expert's weights and optimizer under its component name; a resumed run is bit-identical to
-an uninterrupted one.
+an uninterrupted one. A run with an ``output_dir`` ends by saving the trained model to
+``<output_dir>/model`` (diffusers format, every expert, LoRA fused).
 
 Config (TOML/YAML or dict): ``flowgrpo``'s keys (``model``, ``backend``, ``prompts``, ``reward``,
 ``reward_args``, ``group_size``, ``prompts_per_step``, ``steps``, ``seed``, ``output_dir``,
@@ -70,7 +71,7 @@ from ..request import TaskType
 from . import get_reward
 from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed,
                      require_group_size, reward_summary, run_training,
-                     sync_updated)
+                     save_model, sync_updated)
 from .config import section
 from .distributed import DataParallel
 from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling, check_top
@@ -81,6 +82,8 @@ TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness",
                     group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
                     checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={}, experts={})
 JOINT_SAMPLING_DEFAULTS = dict(SAMPLING_DEFAULTS, guidance_scale_2=None)
+#: where a run's trained model is saved, under ``output_dir``
+MODEL_DIR = "model"
 #: the keys of one ``[experts.<name>]`` table
 EXPERT_DEFAULTS = dict(OPTIM_DEFAULTS, freeze=False, lora={})
 
@@ -267,10 +270,16 @@ class JointMultiRL(FlowGRPO):
 
     # -- the run ----------------------------------------------------------------------------
     def run(self, progress: bool = True) -> dict[str, Any]:
-        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
+        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint); with an
+        ``output_dir``, save the trained model to ``<output_dir>/model``: a diffusers-format
+        checkpoint with every expert as the rollout instance holds it (LoRA fused), which
+        ``flowseam.load`` and diffusers' ``WanPipeline`` read."""
         self.progress = progress
         records = run_training(self, self.stages, "joint_multi_rl", "reward_mean")
-        return {"steps": self.step, "records": records,
+        saved = None
+        if self.files.output_dir is not None:
+            saved = save_model(self.model, self.files.output_dir / MODEL_DIR, self.model.experts)
+        return {"steps": self.step, "records": records, "model": str(saved) if saved else None,
                 "weights_versions": {s.name: s.sync.version for s in self.stages}}
 
     def close(self) -> None:
