@@ -19,11 +19,9 @@ from flowseam.ops.reference import TOLERANCES
 from flowseam.request import DiffusionParams, GenerationRequest
 from flowseam.testing import tiny
 
-#: The cards the suite runs, on tiny checkpoints: every card flowseam has a tiny checkpoint for,
-#: but ``ltx2-i2v``: it runs the same DiT, VAE, audio VAE, vocoder and upsampler classes and the
-#: same two-stage loop as ``ltx2-t2v`` (the image condition is tested against diffusers in
-#: flowseam's own tests), and a compiling backend would compile all of them once more.
-CARDS = tuple(card for card in tiny.CARDS if card != "ltx2-i2v")
+#: The cards the suite runs, one tiny checkpoint each (:data:`flowseam.testing.tiny.CARDS`, which
+#: says why ``ltx2-i2v`` is not among them).
+CARDS = tiny.CARDS
 
 # -- tolerances --------------------------------------------------------------------------------
 
