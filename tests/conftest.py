@@ -32,6 +32,27 @@ def fixture_plugins_dir(tmp_path_factory) -> Path:
     return target
 
 
+#: Plugin packages that must not share a target with the others (they hang, exit, or claim the
+#: name 'cpu'): each is installed alone, on demand, by :func:`isolated_plugin`.
+ISOLATED_FIXTURES = FIXTURES / "plugins" / "isolated"
+
+
+@pytest.fixture(scope="session")
+def isolated_plugin(tmp_path_factory):
+    """``isolated_plugin("flowseam-fixture-hostile")`` → a target directory holding only that
+    package of tests/fixtures/plugins/isolated, pip-installed (once per session)."""
+    installed: dict[str, Path] = {}
+
+    def install(name: str) -> Path:
+        if name not in installed:
+            target = tmp_path_factory.mktemp(name)
+            pip_install_target([ISOLATED_FIXTURES / name], target)
+            installed[name] = target
+        return installed[name]
+
+    return install
+
+
 @contextlib.contextmanager
 def plugin_env(path: Path | None = None, **env: str | None):
     """Put an install target on sys.path, set FLOWSEAM_* variables, rediscover; undo on exit."""

@@ -21,11 +21,19 @@ from .declarations import (
 )
 from .errors import (
     BackendUnavailableError,
+    CheckpointError,
     ComponentBuildError,
+    ComponentFaultError,
     FlowseamError,
+    InvalidParameterError,
+    KernelArgumentError,
+    KernelFaultError,
     KernelPinError,
+    PluginFaultError,
     PluginLoadError,
     UnknownOpError,
+    UnsafeCheckpointError,
+    UntrustedComponentError,
 )
 from .hookspecs import hookimpl
 from .kernels import BoundKernel, KernelTable
@@ -76,8 +84,10 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BehaviorRecord", "Chunk", "DiffusionParams", "ExecutionProfile", "GenerationRequest",
     "LoopResult", "TaskType", "load", "record_velocity", "rollout_loop", "run_loop", "stream_loop",
-    "Availability", "BackendInfo", "BackendUnavailableError", "BoundKernel", "ComponentBuildError",
-    "ComponentRecord", "ComponentSpec", "ConformanceExpectations", "FlowseamError",
-    "KernelPinError", "KernelRegistration", "KernelTable", "Platform", "PluginLoadError",
-    "Provenance", "UnknownOpError", "discover", "hookimpl", "ops",
+    "Availability", "BackendInfo", "BackendUnavailableError", "BoundKernel", "CheckpointError",
+    "ComponentBuildError", "ComponentFaultError", "ComponentRecord", "ComponentSpec",
+    "ConformanceExpectations", "FlowseamError", "InvalidParameterError", "KernelArgumentError",
+    "KernelFaultError", "KernelPinError", "KernelRegistration", "KernelTable", "Platform",
+    "PluginFaultError", "PluginLoadError", "Provenance", "UnknownOpError", "UnsafeCheckpointError",
+    "UntrustedComponentError", "discover", "hookimpl", "ops",
 ]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from typing import Sequence
 
 from .console import backend_rows, print_backend_table, quiet_libraries
-from .errors import FlowseamError
+from .errors import FlowseamError, PluginFaultError
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -28,15 +30,30 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+#: DiffusionParams field → the ``generate`` option that sets it (for error messages).
+GENERATE_OPTIONS = {"num_steps": "--steps", "guidance_scale": "--guidance",
+                    "flow_shift": "--flow-shift", "seed": "--seed", "height": "--height",
+                    "width": "--width", "num_frames": "--frames",
+                    "negative_prompt": "--negative-prompt", "fps": "--fps",
+                    "chunk_frames": "--chunk-frames", "local_attn_size": "--local-attn-size",
+                    "sink_size": "--sink-size"}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate an image or video (or run a workflow) and write it atomically."""
+    """Generate an image or video (or run a workflow) and write it atomically.
+
+    Everything that can be checked without weights is checked before any model loads: every
+    numeric option (finite, in range, the request's memory against this machine's, with the
+    card's defaults read from ``model_index.json``), the conditioning image (read and converted
+    here), the checkpoints' folders and the output path (writable).
+    """
     import time
     from pathlib import Path
 
     from . import media
-    from .loading import load
+    from .loading import load, read_card
     from .platform import Platform
-    from .request import DiffusionParams
+    from .request import DiffusionParams, check_memory
     from .workflows import WORKFLOWS
 
     quiet_libraries()
@@ -47,10 +64,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if suffix not in media.IMAGE_SUFFIXES + media.VIDEO_SUFFIXES + media.AUDIO_SUFFIXES:
         raise ValueError(f"--output {args.output}: unsupported suffix {suffix!r}; use .png for "
                          "images, .mp4 or .gif for videos, .wav for the sound alone")
-    if args.fps is not None and not args.fps > 0:
-        raise ValueError(f"--fps {args.fps} must be > 0 frames per second")
-    if args.image is not None and not Path(args.image).is_file():
-        raise ValueError(f"--image {args.image} does not exist")
+    if args.fps is not None:
+        media.check_fps(args.fps)
     if args.workflow is not None:
         if args.workflow not in WORKFLOWS:
             raise ValueError(f"--workflow {args.workflow!r} is unknown; available: {sorted(WORKFLOWS)}")
@@ -59,6 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              f"image, then image-to-video); got {len(args.model)}")
     elif len(args.model) != 1:
         raise ValueError(f"give one --model (got {len(args.model)}); two are for --workflow t2i-i2v")
+    if args.stream and args.image is not None:
+        raise ValueError("--stream generates from text; --image is for image-to-video")
     params = DiffusionParams(num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
                              height=args.height, width=args.width, num_frames=args.frames,
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
@@ -66,9 +83,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              sink_size=args.sink_size, guidance_scale_2=args.guidance_2,
                              stages=args.stages, audio_guidance_scale=args.audio_guidance)
     ignore = tuple(args.ignore_scheduler_option or ())
+    image = media.read_image(args.image) if args.image is not None else None
     backends = args.backend or [None]
     if len(backends) > (2 if args.workflow else 1):
         raise ValueError(f"--backend given {len(backends)} times; once, or once per workflow stage")
+    # the cards (from model_index.json alone) give the defaults the memory check needs
+    stages = WORKFLOWS[args.workflow].stage_params(params) if args.workflow else (params,)
+    for model_path, stage in zip(args.model, stages):
+        check_memory(stage.with_defaults(read_card(model_path).defaults))
+    media.check_writable(args.output)
     platforms = [Platform(b) if b else Platform.detect() for b in backends]
     platform = platforms[0]
     started = time.perf_counter()
@@ -78,15 +101,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         i2v = load(args.model[1], platform=platforms[-1], ignore_scheduler_options=ignore)
         _check_sound(args.output, suffix, i2v)
         workflow = WORKFLOWS[args.workflow](t2i, i2v)
-        image_params, video_params = workflow.stage_params(params)
+        image_params, video_params = stages
         result = workflow.run(args.prompt, t2i_params=image_params,
                               i2v_params=_with_frame_rate(video_params, i2v, args.fps),
                               seed=args.seed, progress=True)
         frames, models, runs = result.frames, [t2i, i2v], result.stages
     elif args.stream:
         model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
-        if args.image is not None:
-            raise ValueError("--stream generates from text; --image is for image-to-video")
         chunks = model.generate_stream(args.prompt, params=params)  # refuses a non-causal model
         with media.StreamingVideoWriter(args.output, fps=args.fps or 8) as writer:
             for chunk in chunks:
@@ -104,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
         _check_sound(args.output, suffix, model)
-        result = model.generate(args.prompt, image=args.image,
+        result = model.generate(args.prompt, image=image,
                                 params=_with_frame_rate(params, model, args.fps), progress=True)
         frames, models, runs = result.frames, [model], [result]
     stage = result.stages[-1] if args.workflow is not None else result
@@ -272,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--height", type=int, help="pixels")
     g.add_argument("--width", type=int, help="pixels")
     g.add_argument("--fps", type=float,
-                   help="frames per second of a written video (default 8; LTX-2 generates for "
-                        "this frame rate, its card default 24)")
+                   help="frames per second of a written video (> 0; default 8; LTX-2 generates "
+                        "for this frame rate, its card default 24)")
     g.add_argument("--stages", type=int, choices=(1, 2),
                    help="LTX-2: 1 = generate at --height x --width; 2 (default) = half size, "
                         "latent upsample x2, refine")
@@ -371,14 +392,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit statuses: 2 for bad input (an option, a file, a config), 3 for a plugin that failed at
+#: run time (the message names it), 143 after SIGTERM. A traceback (exit 1) is a flowseam bug.
+EXIT_USAGE, EXIT_PLUGIN_FAULT, EXIT_TERMINATED = 2, 3, 128 + signal.SIGTERM
+
+
+def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: temporary files are removed
+    raise SystemExit(EXIT_TERMINATED)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; see :data:`EXIT_USAGE` and the others for the exit statuses.
+
+    While a command runs, SIGTERM raises ``SystemExit(143)`` in the main thread, so that
+    ``finally`` blocks run: an output being written, a checkpoint being saved, leave no
+    temporary file behind (the default SIGTERM action would kill the process on the spot).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
+    except PluginFaultError as exc:
+        print(f"flowseam: plugin fault: {exc}", file=sys.stderr)
+        return EXIT_PLUGIN_FAULT
     except (FlowseamError, ValueError) as exc:
-        print(f"flowseam: error: {exc}", file=sys.stderr)
-        return 2
+        option = GENERATE_OPTIONS.get(getattr(exc, "field", ""), None)
+        where = f"{option}: " if option and args.command == "generate" else ""
+        print(f"flowseam: error: {where}{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from .errors import FlowseamError
+from .errors import CheckpointError, FlowseamError, UntrustedComponentError
 
 #: Component kinds flowseam's cards use; a backend declares the ones it builds
 #: (``flowseam_component_kinds``) and every other kind falls back to cpu:
@@ -22,6 +22,9 @@ from .errors import FlowseamError
 #: * ``latent_upsampler``: LTX-2's ``LTX2LatentUpsamplerModel`` (video latents x2 spatially).
 KINDS = ("dit", "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor",
          "text_connectors", "audio_vae", "vocoder", "latent_upsampler")
+
+#: Kinds the loops run as ``torch.nn.Module`` (a builder must return a module for these).
+MODULE_KINDS = ("dit", "vae", "text_encoder", "image_encoder")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,53 @@ class ComponentSpec:
         return f"{self.name} ({self.cls} from {where})"
 
 
+#: The libraries whose classes a checkpoint may name without any plugin declaring them.
+TRUSTED_LIBRARIES = ("diffusers", "transformers")
+
+
+def check_component_class(library: Any, cls: Any, declared: Iterable[str], source: str) -> str:
+    """The dotted path ``"<library>.<cls>"`` of a component class a checkpoint names, if flowseam
+    may import it: ``library`` is one of :data:`TRUSTED_LIBRARIES` (or a submodule of one), or the
+    dotted path is one of ``declared`` (what installed plugins declare through
+    ``flowseam_component_classes``). Nothing is imported here.
+
+    A bare ``library`` that names a ``diffusers.pipelines`` subpackage (``"ltx2"``, as diffusers
+    writes a pipeline's own modules) is that subpackage of diffusers, never a module of that name
+    elsewhere.
+
+    :param source: where the name was read (``".../model_index.json: 'vae'"``), for the message.
+    :raises UntrustedComponentError: naming the module, for anything else; the module is not
+        imported (no code from a checkpoint folder ever runs).
+    """
+    if not isinstance(library, str) or not isinstance(cls, str) or not cls.isidentifier() \
+            or not all(part.isidentifier() for part in library.split(".")):
+        raise UntrustedComponentError(
+            f"{source} names component class {[library, cls]!r}; expected [library, ClassName] "
+            "such as ['diffusers', 'AutoencoderKLWan']")
+    dotted = f"{library}.{cls}"
+    if library.split(".")[0] in TRUSTED_LIBRARIES or dotted in set(declared):
+        return dotted
+    if "." not in library and _is_diffusers_pipeline(library):
+        # diffusers writes a pipeline's own modules by subpackage name (["ltx2", "LTX2TextConnectors"])
+        return f"diffusers.pipelines.{library}.{cls}"
+    raise UntrustedComponentError(
+        f"{source} names component class {cls!r} from module {library!r}, which flowseam does not "
+        f"import: component classes come only from {' and '.join(TRUSTED_LIBRARIES)}, or from a "
+        "class an installed flowseam plugin declares (flowseam_component_classes). A checkpoint "
+        f"folder never decides which code runs; {library!r} was not imported")
+
+
+def _is_diffusers_pipeline(name: str) -> bool:
+    """Whether ``diffusers.pipelines.<name>`` exists (found, not imported: only diffusers' own
+    package is imported to look)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(f"diffusers.pipelines.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def import_class(dotted: str) -> type:
     """Import ``"package.module.Class"`` or ``"package.Class"``.
 
@@ -77,6 +127,8 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
     :param device: a torch device string (``"cpu"``, ``"cuda:0"``).
     :param dtype: a ``torch.dtype`` or None to keep the checkpoint's dtype.
     :raises FlowseamError: if the class cannot be imported or the checkpoint folder is missing.
+    :raises CheckpointError: if the files cannot be read, or the component's ``config.json``
+        disagrees with its weights (:func:`check_loading_info`).
     """
     import torch
 
@@ -89,11 +141,23 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
         kwargs: dict[str, Any] = {}
         if spec.subfolder:
             kwargs["subfolder"] = spec.subfolder
-        if dtype is not None and isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+        is_module = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+        if is_module:
+            kwargs["output_loading_info"] = True  # checked below: config vs weights
+        if dtype is not None and is_module:
             # load in the target dtype, so a model's keep-in-float32 modules are honoured
             kwargs["dtype" if cls.__module__.startswith("transformers") else "torch_dtype"] = dtype
             cast = False
-        obj = cls.from_pretrained(spec.path, **kwargs)
+        try:
+            obj = cls.from_pretrained(spec.path, **kwargs)
+        except Exception as exc:  # corrupt or incomplete files, shapes the config does not give
+            files = sorted(p.name for p in folder.iterdir())
+            raise CheckpointError(f"cannot load component {spec.name!r} ({spec.cls}) from {folder} "
+                                  f"(files: {', '.join(files) or 'none'}): {type(exc).__name__}: "
+                                  f"{exc}") from exc
+        if is_module:
+            obj, info = obj
+            check_loading_info(spec, folder, info)
     elif hasattr(cls, "from_config") and not hasattr(cls, "config_class"):
         obj = cls.from_config(spec.config)  # diffusers
     elif getattr(cls, "config_class", None) is not None:
@@ -106,6 +170,38 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
         obj = obj.to(device)
         obj.eval()
     return obj
+
+
+def check_loading_info(spec: ComponentSpec, folder: Path, info: dict[str, Any]) -> None:
+    """Refuse a component whose ``config.json`` disagrees with its weights.
+
+    ``info`` is what diffusers' and transformers' ``from_pretrained(..., output_loading_info=True)``
+    report: ``missing_keys`` (the config builds tensors the weights do not have: they would stay
+    randomly initialised), ``unexpected_keys`` (the weights have tensors the config does not build:
+    a smaller model than the checkpoint would run), ``mismatched_keys`` and ``error_msgs``. Both
+    libraries only log these (a warning flowseam's console silences); flowseam makes them errors.
+
+    :raises CheckpointError: naming the tensors (the first few of each list, and how many).
+    """
+    problems = []
+    for key, what in (("missing_keys", "in the model but not in the weights (they would stay "
+                                        "randomly initialised)"),
+                      ("unexpected_keys", "in the weights but not in the model (the config "
+                                          "builds a smaller model than the checkpoint)")):
+        names = sorted(info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            problems.append(f"{len(names)} tensor(s) {what}: {shown}")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        problems.append("shape mismatches: " + ", ".join(
+            f"{m[0]} {tuple(m[1])} in the weights vs {tuple(m[2])} in the model" if len(m) == 3
+            else str(m) for m in mismatched[:5]))
+    if info.get("error_msgs"):
+        problems.append("; ".join(map(str, info["error_msgs"])))
+    if problems:
+        raise CheckpointError(f"component {spec.name!r} ({spec.cls}) in {folder}: config.json does "
+                              "not match the weights: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -122,3 +218,5 @@ class ComponentRecord:
     plugin: str
     fallback: bool
     reason: str = ""
+    distribution: str = "?"
+    version: str = "?"

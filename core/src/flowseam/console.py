@@ -25,11 +25,13 @@ def backend_rows(strict: bool) -> tuple[list[dict], str | None]:
     if platform is not None:
         active = {p["name"] for p in platform.to_dict()["plugins"]}
         explain = platform.explain()
+    conflicts = reg.name_conflicts()
     rows = []
     for rec in sorted(reg.records.values(), key=lambda r: (r.backend is None, -r.priority, r.name)):
         row = rec.summary()
         if rec.name in active or (rec.usable and rec.backend is None):
             row["status"] = "active"
+        row["conflicts"] = [str(c) for c in conflicts if rec.name in c.plugins]
         rows.append(row)
     return rows, explain
 
@@ -55,6 +57,10 @@ def print_backend_table(rows: list[dict] | None = None, explain: str | None = No
         print("".join(f"{c:<{w}}" for c, w in zip(row, widths)).rstrip())
         if r["reason"]:
             print(f"  reason: {r['reason']}")
+        for patch in r.get("patches") or ():
+            print(f"  patches torch: {patch}")
+        for conflict in r.get("conflicts") or ():
+            print(f"  name conflict: {conflict} (use '<plugin>:<name>' or block one)")
         if verbose and r.get("traceback"):
             print("\n".join(f"    {line}" for line in r["traceback"].splitlines()))
     if not rows:

@@ -32,3 +32,73 @@ class KernelPinError(FlowseamError):
 
 class ComponentBuildError(FlowseamError):
     """No plugin on the device chain could build a component of the requested kind."""
+
+
+class UntrustedComponentError(FlowseamError):
+    """A checkpoint names a component class flowseam does not import: only diffusers,
+    transformers and classes declared by installed plugins (``flowseam_component_classes``) are
+    allowed. The message names the module, which was not imported."""
+
+
+class UnsafeCheckpointError(FlowseamError):
+    """A training checkpoint file needs more than tensors and plain values to load (a pickle that
+    would run code); flowseam refuses to unpickle it. The message names the file."""
+
+
+class CheckpointError(FlowseamError):
+    """A checkpoint cannot be read as it claims to be: a missing, corrupt or truncated file, or a
+    ``config.json`` that disagrees with its weights (missing or unexpected tensors, shape
+    mismatches). The message names the files and tensors."""
+
+
+class PluginFaultError(FlowseamError):
+    """A plugin's kernel or component failed at run time: it raised, or returned something the
+    op's contract or the component's kind does not allow (a wrong shape, dtype or device,
+    non-finite values, a string instead of a module). The message names the plugin, its
+    distribution and version, the op or component kind and, for a kernel, its ``impl_id``; the
+    original exception is ``__cause__``. flowseam does not retry on another backend by itself:
+    the message says how to run without the plugin (``--backend cpu``,
+    ``FLOWSEAM_DISABLE_PLUGINS=<plugin>``).
+
+    :ivar plugin, distribution, version: who provided the faulty code.
+    :ivar what: the op (``"flow_match_step"``) or component kind (``"dit"``).
+    :ivar impl_id: the kernel's implementation id (None for components).
+    """
+
+    def __init__(self, message: str, plugin: str = "?", distribution: str = "?",
+                 version: str = "?", what: str = "?", impl_id: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin, self.distribution, self.version = plugin, distribution, version
+        self.what, self.impl_id = what, impl_id
+
+    def __reduce__(self):  # keep the attributes across pickling (worker processes)
+        return (type(self), (self.args[0], self.plugin, self.distribution, self.version,
+                             self.what, self.impl_id))
+
+
+class KernelFaultError(PluginFaultError):
+    """A kernel (``platform.kernels.get(op)`` / ``pin(impl_id)``) raised or returned a result its
+    op's contract does not allow."""
+
+
+class KernelArgumentError(KernelFaultError, ValueError):
+    """A kernel raised ``ValueError``: the op contract's way of rejecting its arguments. Still a
+    ``ValueError`` (callers that check arguments keep working), and named like every fault."""
+
+
+class ComponentFaultError(PluginFaultError):
+    """A component a plugin built (``dit``, ``vae``, ``text_encoder``, ...) failed to build, or
+    raised or returned something wrong while a loop ran it."""
+
+
+class InvalidParameterError(FlowseamError, ValueError):
+    """A request parameter is invalid (not finite, out of range, the wrong type, more memory
+    than the machine has). ``field`` names it (``"guidance_scale"``); the message names the
+    value and what is allowed. The CLI names the matching option (``--guidance``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.args[0]))

@@ -108,6 +108,31 @@ def flowseam_component_kinds() -> Iterable[str] | None:
     """
 
 
+@hookspec
+def flowseam_component_classes() -> Iterable[str] | None:
+    """Declare the model component classes this plugin ships, so that checkpoints may name them.
+
+    firstresult: no — every plugin's classes are collected.
+
+    Called once at discovery. A checkpoint's ``model_index.json`` names each component's class as
+    ``[library, class]`` (``["diffusers", "AutoencoderKLWan"]``); flowseam imports a component
+    class only if ``library`` is ``diffusers`` or ``transformers`` (or one of their submodules),
+    or if ``"<library>.<class>"`` is one of the dotted paths an installed, usable plugin declares
+    here. Anything else is refused, naming the module, before it is imported: a checkpoint folder
+    never decides which code runs (``model_index.json`` naming ``["evilmod", "AutoencoderKL"]``
+    with an ``evilmod.py`` beside it is an error, not an import). flowseam never passes
+    ``trust_remote_code`` to transformers.
+
+    Example::
+
+        @hookimpl
+        def flowseam_component_classes():
+            return ["flowseam_myvendor.models.MyVendorDiT"]
+
+    :returns: an iterable of dotted class paths (``"package.module.Class"``), or None.
+    """
+
+
 @hookspec(firstresult=True)
 def flowseam_build_component(kind: str, spec: ComponentSpec, device: str) -> torch.nn.Module | None:
     """Build one model component of ``kind`` on ``device``, or return None to decline.

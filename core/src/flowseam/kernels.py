@@ -14,13 +14,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .declarations import Provenance
-from .errors import KernelPinError, UnknownOpError
+from .errors import FlowseamError, KernelPinError, UnknownOpError
+from .faults import describe, kernel_fault
 
 
 class BoundKernel:
     """A kernel implementation with its :class:`~flowseam.declarations.Provenance`.
 
-    Calling it calls the implementation directly (one Python call of overhead).
+    Calling it calls the implementation directly (one Python call of overhead, and a ``try``
+    that costs nothing unless the kernel raises).
+
+    :raises KernelFaultError: when the implementation raises anything (a wrong signature gives a
+        ``TypeError``, a crash any exception): the error names the plugin, distribution, op and
+        ``impl_id``, with the original as ``__cause__``. A ``ValueError`` (the op contract's
+        rejection of bad arguments) becomes a :class:`~flowseam.errors.KernelArgumentError`,
+        which is still a ``ValueError``.
     """
 
     __slots__ = ("fn", "provenance")
@@ -30,7 +38,12 @@ class BoundKernel:
         self.provenance = provenance
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        try:
+            return self.fn(*args, **kwargs)
+        except FlowseamError:
+            raise
+        except Exception as exc:
+            raise kernel_fault(self.provenance, describe(exc), exc) from exc
 
     @property
     def impl_id(self) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -10,16 +9,29 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from .components import ComponentSpec
-from .errors import FlowseamError
+from .components import ComponentSpec, check_component_class
+from .errors import CheckpointError, FlowseamError
 from .models import card_for_index, declared
 from .models.base import ModelCard, ModelInstance
 from .platform import Platform
 from .request import TaskType
 
 
+def looks_like_path(text: str) -> bool:
+    """Whether ``text`` is meant as a local path rather than a hub id (``org/name``): it starts
+    with ``.``, ``/`` or ``~``, uses a backslash, has more or fewer than one ``/``, ends in ``/``,
+    or its first component is an existing local directory (``outputs/ckpt`` when ``outputs/``
+    exists)."""
+    if text.startswith((".", "/", "~")) or "\\" in text or text.count("/") != 1 or text.endswith("/"):
+        return True
+    return Path(text.split("/")[0]).is_dir()
+
+
 def resolve_checkpoint(path_or_hub_id: str | os.PathLike) -> Path:
     """A local directory, or a hub id (``org/name``) fetched with huggingface_hub.
+
+    A name that :func:`looks_like_path` is never sent to the hub: a missing directory is
+    reported as missing.
 
     :raises FlowseamError: if the directory does not exist, or the hub cannot be reached (the
         message says how to pass a local directory instead).
@@ -28,20 +40,23 @@ def resolve_checkpoint(path_or_hub_id: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     text = str(path_or_hub_id)
-    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.exists()
-    if not looks_like_hub_id:
-        raise FlowseamError(f"checkpoint {text!r} is not a directory (expected a diffusers-format "
-                            "folder with model_index.json, or a hub id like 'org/name')")
+    if path.exists():
+        raise FlowseamError(f"checkpoint {text!r} is a file, not a directory (expected a "
+                            "diffusers-format folder with model_index.json)")
+    if looks_like_path(text):
+        raise FlowseamError(f"checkpoint directory {text!r} does not exist (looked in "
+                            f"{path.absolute().parent}); expected a diffusers-format folder with "
+                            "model_index.json, or a hub id like 'org/name'")
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(text))
     except Exception as exc:  # offline, unknown repo, auth...
         raise FlowseamError(
-            f"cannot fetch {text!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
-            "If this machine is offline, download the checkpoint elsewhere and pass its local "
-            "directory instead (flowseam.load('/path/to/checkpoint'), --model /path/to/checkpoint)"
-        ) from exc
+            f"{text!r} is not a local directory, and fetching it from the Hugging Face hub failed "
+            f"({type(exc).__name__}: {exc}). If this machine is offline, download the checkpoint "
+            "elsewhere and pass its local directory instead (flowseam.load('/path/to/checkpoint'), "
+            "--model /path/to/checkpoint)") from exc
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -49,9 +64,24 @@ def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FlowseamError(f"missing checkpoint file {path}")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise FlowseamError(f"corrupt checkpoint file {path}: {exc}") from exc
+        raise CheckpointError(f"corrupt checkpoint file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"corrupt checkpoint file {path}: expected a JSON object, got "
+                              f"{type(data).__name__}")
+    return data
+
+
+def read_card(path_or_hub_id: str | os.PathLike) -> ModelCard:
+    """The card of a checkpoint, from its ``model_index.json`` alone (no weights are read): what
+    the CLI checks a request against before any model loads.
+
+    :raises FlowseamError: for a missing directory or a missing or corrupt ``model_index.json``.
+    :raises ValueError: if no card matches the checkpoint's pipeline class.
+    """
+    root = resolve_checkpoint(path_or_hub_id)
+    return card_for_index(read_json(root / "model_index.json"), str(root / "model_index.json"))
 
 
 def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
@@ -87,7 +117,9 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     index = read_json(index_file)
     card = card_for_index(index, str(index_file))
     card.instance.check_index(index, str(index_file))
-    plan = component_plan(root, index, card)  # refuses an incomplete checkpoint
+    platform = platform if platform is not None else Platform.detect()
+    # refuses an incomplete checkpoint, and a class outside the allow-list (nothing imported)
+    plan = component_plan(root, index, card, platform.declared_component_classes())
     configs = check_layout(card, index, root)
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     raw = read_json(scheduler_file) if (root / "scheduler").is_dir() else None
@@ -101,14 +133,13 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     for name, why in unused.items():
         warnings.warn(f"{index_file}: {name} {index.get(name)!r} is not loaded: {why}",
                       UserWarning, stacklevel=2)
-    platform = platform if platform is not None else Platform.detect()
     components: dict[str, Any] = {}
     records = {}
-    for entry, cls in plan:
+    for entry, cls in plan:  # a library's loading error is a CheckpointError naming the files
         if entry.name in unused:
             continue
         spec = ComponentSpec(name=entry.name, cls=cls, path=str(root), subfolder=entry.name)
-        components[entry.name] = _build(platform, entry.kind, spec, root)
+        components[entry.name] = platform.build_component(entry.kind, spec)
         records[entry.name] = platform.components[-1]
     instance = card.instance(card, platform, components, root, solver, scheduler_config=raw,
                              pipeline_config=index)
@@ -185,21 +216,26 @@ def unused_components(card: ModelCard, index: dict[str, Any],
     return unused
 
 
-def component_plan(root: Path, index: dict[str, Any], card: ModelCard) -> list[tuple[Any, str]]:
+def component_plan(root: Path, index: dict[str, Any], card: ModelCard,
+                   allowed: Iterable[str] = ()) -> list[tuple[Any, str]]:
     """``(ComponentEntry, dotted class)`` for every component of ``card`` the checkpoint has:
     those ``model_index.json`` declares (as ``[library, class]``; ``library`` is a package or a
     diffusers pipeline module such as ``"ltx2"``) with their folder present, and the card's extra
-    folders (LTX-2's ``latent_upsampler/``).
+    folders (LTX-2's ``latent_upsampler/``). Every declared class is checked against the
+    allow-list (:func:`flowseam.components.check_component_class`; ``allowed``: what installed
+    plugins declare) before anything is imported.
 
     :raises FlowseamError: naming every required component the checkpoint lacks and listing what
         the card needs (required components, then optional ones with what needs them).
+    :raises UntrustedComponentError: for a class outside the allow-list, naming its module.
     """
     plan, missing = [], []
     for entry in card.components:
         folder = root / entry.name
         if declared(index, entry.name):
             library, name = index[entry.name]
-            cls = _class_path(library, name)
+            cls = check_component_class(library, name, allowed,
+                                        f"{root / 'model_index.json'}: {entry.name!r}")
             if not folder.is_dir():
                 missing.append(f"{entry.name!r} (model_index.json declares {name}, but "
                                f"there is no {entry.name}/ folder)")
@@ -220,26 +256,3 @@ def component_plan(root: Path, index: dict[str, Any], card: ModelCard) -> list[t
             f"{card.name} needs {needs}" + (f"; optionally {optional}" if optional else ""))
     return plan
 
-
-def _class_path(library: str, cls: str) -> str:
-    """``model_index.json``'s ``[library, class]`` as a dotted path: ``library`` is a package
-    (``diffusers``, ``transformers``) or, as diffusers writes for a pipeline's own modules, the
-    name of a ``diffusers.pipelines`` subpackage (``["ltx2", "LTX2TextConnectors"]``)."""
-    if importlib.util.find_spec(library) is None:
-        return f"diffusers.pipelines.{library}.{cls}"
-    return f"{library}.{cls}"
-
-
-def _build(platform: Platform, kind: str, spec: ComponentSpec, root: Path) -> Any:
-    folder = root / spec.subfolder
-    try:
-        return platform.build_component(kind, spec)
-    except FlowseamError:
-        raise
-    except Exception as exc:
-        files = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        weights = [f for f in files if f.endswith((".safetensors", ".bin"))]
-        raise FlowseamError(
-            f"cannot load {spec.name!r} ({spec.cls}) from {folder}"
-            + (f" (weights: {', '.join(weights)})" if weights else "")
-            + f": {type(exc).__name__}: {exc}") from exc

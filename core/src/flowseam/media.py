@@ -1,47 +1,215 @@
-"""Writing outputs: PNG images, MP4 (H.264) or GIF videos, WAV audio, always atomically.
+"""Reading input images and writing outputs (PNG images, MP4 (H.264) or GIF videos, WAV audio).
 
-Every writer renders into a temporary file in the destination folder and renames it into place,
-so a failed or interrupted run leaves no partial output file. A video with sound (LTX-2) is an MP4
-with an H.264 video track and an AAC audio track (PyAV, whose wheels ship ffmpeg); a GIF cannot
-hold sound, so writing one drops the audio with a warning; ``.wav`` writes the sound alone
-(16-bit PCM).
+Reading (:func:`read_image`) is the one place flowseam turns an image file into pixels: every
+PIL mode is converted to 8-bit RGB with its real values (16-bit greyscale is scaled, not clipped
+to white; palettes, CMYK and alpha go through PIL's conversions, CMYK through its ICC profile
+when it has one), EXIF orientation is applied (as diffusers' ``load_image`` does), and
+decompression bombs, truncated and unreadable files are refused, naming the file.
+
+Writing: every writer renders into a temporary file in the destination folder and renames it
+into place, so a failed or interrupted run (an exception, Ctrl-C, SIGTERM through the CLI's
+handler) leaves no partial output file; an output that already exists keeps its permission
+bits; a full disk is reported as "no space left on device", naming the path. A video with sound
+(LTX-2) is an MP4 with an H.264 video track and an AAC audio track (PyAV, whose wheels ship
+ffmpeg); a GIF cannot hold sound, so writing one drops the audio with a warning; ``.wav`` writes
+the sound alone (16-bit PCM).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
 import os
+import stat
 import tempfile
 import warnings
 import wave
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
+
+from .errors import FlowseamError, InvalidParameterError
 
 IMAGE_SUFFIXES = (".png",)
 VIDEO_SUFFIXES = (".mp4", ".gif")
 AUDIO_SUFFIXES = (".wav",)
 
+#: The largest input image flowseam decodes, in pixels: PIL's own limit (``MAX_IMAGE_PIXELS``,
+#: about 89 megapixels), at which PIL merely warns; flowseam refuses.
+MAX_IMAGE_PIXELS = 89_478_485
+
+#: errno values that mean "the disk (or quota) is full".
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def disk_error(exc: OSError, path: str | os.PathLike, doing: str = "writing") -> FlowseamError | None:
+    """A :class:`FlowseamError` saying "no space left on device while writing PATH" for a
+    full-disk ``OSError`` (``ENOSPC``, ``EDQUOT``, ``EFBIG``); None for any other error."""
+    if getattr(exc, "errno", None) not in _FULL:
+        return None
+    return FlowseamError(f"no space left on device while {doing} {path} "
+                         f"({os.strerror(exc.errno)}); free some space and run again")
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; rename it onto ``path`` only on success."""
+    """Yield a temporary path next to ``path``; rename it onto ``path`` only on success.
+
+    The new file gets the mode of the file it replaces (or ``0o666 & ~umask`` for a new one).
+
+    :raises FlowseamError: "no space left on device", naming ``path``, when the disk is full.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask  # mkstemp makes 0600; give a new file the usual mode
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        full = disk_error(exc, path) if isinstance(exc, OSError) else None
+        if full is not None:
+            raise full from exc
         raise
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """Make sure ``path`` can be written (atomically) before any work: its folder exists or can
+    be created, a file can be created in it, and ``path`` is not a directory.
+
+    :raises FlowseamError: naming the path and why not.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise FlowseamError(f"output {path} is a directory; give a file name (.png, .mp4, .gif)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".probe", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise (disk_error(exc, path) or FlowseamError(
+            f"output {path} cannot be written: {exc.strerror or exc}")) from exc
+    return path
+
+
+# -- reading images -----------------------------------------------------------------------------
+
+def read_image(image: Any) -> "Any":
+    """An 8-bit RGB PIL image from a PIL image, a path, or an ``(H, W, 3)`` / ``(H, W)`` array
+    (float in [0, 1], or uint8).
+
+    Conversions: 16-bit greyscale (``I;16*``, and ``I`` with values up to 65535) is scaled by
+    1/257; 1-bit, greyscale, palette (``P``, ``PA``) and alpha modes through PIL (alpha dropped,
+    as diffusers' ``load_image`` does); CMYK through its embedded ICC profile to sRGB when it has
+    one, else PIL's conversion; EXIF orientation applied.
+
+    :raises ValueError: naming the file or array, for a missing file, a file PIL cannot
+        identify, a truncated file, an image over :data:`MAX_IMAGE_PIXELS` (a decompression bomb:
+        refused from its header, before decoding), 32-bit float images (no defined white), or an
+        array that is not finite, not in [0, 1] or wrongly shaped.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return _to_rgb(image, "image")
+    if isinstance(image, (str, os.PathLike)):
+        path = Path(image)
+        if not path.is_file():
+            raise ValueError(f"image {path} does not exist")
+        try:
+            with warnings.catch_warnings():  # PIL only warns below twice its limit; refuse
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                im = Image.open(path)
+            with im:
+                w, h = im.size
+                if w * h > MAX_IMAGE_PIXELS:
+                    raise ValueError(
+                        f"image {path} is {w}x{h} = {w * h:,} pixels, over flowseam's limit of "
+                        f"{MAX_IMAGE_PIXELS:,} (a decompression bomb?); it was not decoded")
+                im.load()  # decode now: a truncated file fails here, not halfway through a run
+                im = ImageOps.exif_transpose(im)
+                return _to_rgb(im, str(path))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ValueError(f"image {path} is over the pixel limit (a decompression bomb?); it "
+                             f"was not decoded: {exc}") from exc
+        except UnidentifiedImageError as exc:
+            raise ValueError(f"image {path} is not an image PIL can read ({exc})") from exc
+        except (OSError, SyntaxError) as exc:
+            raise ValueError(f"image {path} cannot be decoded (truncated or corrupt?): {exc}") from exc
+    if isinstance(image, np.ndarray):
+        return _array_to_rgb(image)
+    raise ValueError(f"image={type(image).__name__} is not supported; pass a PIL image, a path, "
+                     "or an (H, W, 3) float array in [0, 1]")
+
+
+def _to_rgb(im: Any, name: str) -> Any:
+    from PIL import Image
+
+    mode = im.mode
+    if mode == "RGB":
+        return im.copy() if im.readonly else im
+    if mode.startswith("I;16") or mode == "I":
+        a = np.asarray(im, dtype=np.int64)
+        if a.size and (a.min() < 0 or a.max() > 65535):
+            raise ValueError(f"image {name} has mode {mode} with values outside 0..65535; "
+                             "convert it to 8- or 16-bit first")
+        grey = np.round(a / 257.0).astype(np.uint8)
+        return Image.fromarray(grey, mode="L").convert("RGB")
+    if mode == "F":
+        raise ValueError(f"image {name} is a 32-bit float image (mode F), which has no defined "
+                         "white level; convert it to 8- or 16-bit first")
+    if mode == "CMYK" and im.info.get("icc_profile"):
+        import io
+
+        from PIL import ImageCms
+
+        src = ImageCms.ImageCmsProfile(io.BytesIO(im.info["icc_profile"]))
+        return ImageCms.profileToProfile(im, src, ImageCms.createProfile("sRGB"), outputMode="RGB")
+    return im.convert("RGB")
+
+
+def _array_to_rgb(a: np.ndarray) -> Any:
+    from PIL import Image
+
+    if a.ndim == 2:
+        a = np.repeat(a[..., None], 3, axis=-1)
+    if a.ndim != 3 or a.shape[-1] != 3:
+        raise ValueError(f"image array has shape {a.shape}; expected (H, W, 3) or (H, W)")
+    if a.dtype == np.uint8:
+        return Image.fromarray(a, mode="RGB")
+    if not np.issubdtype(a.dtype, np.floating):
+        raise ValueError(f"image array has dtype {a.dtype}; expected float in [0, 1] or uint8")
+    if not np.isfinite(a).all():
+        raise ValueError(f"image array has {int((~np.isfinite(a)).sum())} non-finite value(s)")
+    lo, hi = float(a.min()), float(a.max())
+    if lo < 0.0 or hi > 1.0:
+        raise ValueError(f"image array has values in [{lo:.4g}, {hi:.4g}]; expected [0, 1]")
+    return Image.fromarray(to_uint8(a), mode="RGB")
+
+
+def check_fps(fps: Any) -> float:
+    """``fps`` as a positive finite number of frames per second.
+
+    :raises InvalidParameterError: (a ``ValueError``) naming the value.
+    """
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) \
+            or fps <= 0:
+        raise InvalidParameterError("fps", f"fps={fps!r} must be a finite number of frames per "
+                                           "second > 0")
+    return fps
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
@@ -75,13 +243,15 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float = 8,
     through PyAV: libx264 (yuv420p, or yuv444p for odd sizes) at ``fps`` plus AAC at
     ``sample_rate``. A GIF has no sound: ``audio`` is dropped with a :class:`UserWarning`.
 
-    :param fps: frames per second.
+    :param fps: frames per second (> 0).
     :param audio: ``(channels, samples)`` float waveform in [-1, 1] (1 or 2 channels), or None.
     :param sample_rate: the waveform's samples per second (Hz); required with ``audio``.
-    :raises ValueError: for an unsupported suffix, a wrongly shaped array, or audio without a
-        sample rate.
+    :raises ValueError: for an unsupported suffix, a wrongly shaped array, ``fps <= 0``, or audio
+        without a sample rate.
     """
     import imageio.v2 as imageio
+
+    check_fps(fps)
 
     path = Path(path)
     suffix = path.suffix.lower()

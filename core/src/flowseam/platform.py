@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .components import ComponentRecord, ComponentSpec
+from .components import MODULE_KINDS, ComponentRecord, ComponentSpec
 from .declarations import Provenance
 from .errors import BackendUnavailableError, ComponentBuildError, FlowseamError
+from .faults import component_fault, describe
+from .isolation import patch_watch
 from .kernels import BoundKernel, KernelTable
 from .plugins import PluginRecord, PluginRegistry, discover, load_without_discovery
 
@@ -36,6 +38,18 @@ def _describe_backends(reg: PluginRegistry) -> str:
         dev = f" device={r.device}" if r.device else ""
         lines.append(f"  {r.name} ({r.distribution} {r.version}){dev} — {r.status}{why}")
     return "\n".join(lines) if lines else "  (no backend plugin is installed: pip install flowseam-cpu)"
+
+
+def _not_a_component(kind: str, obj: Any) -> str | None:
+    """What is wrong with a builder's result for ``kind`` (None if nothing)."""
+    if isinstance(obj, (str, bytes)) or not callable(obj):
+        return f"a {type(obj).__name__} ({obj!r:.60}) instead of a component"
+    if kind in MODULE_KINDS:
+        import torch
+
+        if not isinstance(obj, torch.nn.Module):
+            return f"a {type(obj).__name__} instead of a torch.nn.Module (kind {kind!r})"
+    return None
 
 
 class Platform:
@@ -121,6 +135,10 @@ class Platform:
 
         :raises ComponentBuildError: if no plugin on the chain builds ``kind``; the message says
             what each device answered.
+        :raises ComponentFaultError: if a plugin's builder raises (other than a
+            :class:`FlowseamError`, such as a checkpoint error, which passes unchanged) or returns
+            something that is not a component (a string; anything but a ``torch.nn.Module`` for
+            the kinds in :data:`flowseam.components.MODULE_KINDS`), naming the plugin.
         """
         reasons: list[str] = []
         for i, device in enumerate(self.device_chain):
@@ -129,17 +147,34 @@ class Platform:
                 reasons.append(f"no plugin serving {device!r} builds {kind!r}")
                 continue
             for rec in plugins:
-                obj = self._registry.call(rec, "flowseam_build_component",
-                                          kind=kind, spec=spec, device=device)
+                record = ComponentRecord(kind=kind, name=spec.name, device=device, plugin=rec.name,
+                                         fallback=i > 0, reason="; ".join(reasons),
+                                         distribution=rec.distribution, version=rec.version)
+                with patch_watch(rec, f"flowseam_build_component({kind!r})"):
+                    try:
+                        obj = self._registry.call(rec, "flowseam_build_component",
+                                                  kind=kind, spec=spec, device=device)
+                    except FlowseamError:
+                        raise
+                    except Exception as exc:
+                        raise component_fault(record, f"failed to build {spec.describe()}: "
+                                              f"{describe(exc)}") from exc
                 if obj is not None:
-                    self.components.append(ComponentRecord(
-                        kind=kind, name=spec.name, device=device, plugin=rec.name,
-                        fallback=i > 0, reason="; ".join(reasons)))
+                    problem = _not_a_component(kind, obj)
+                    if problem:
+                        raise component_fault(record, f"returned {problem} for {spec.describe()}")
+                    self.components.append(record)
                     return obj
                 reasons.append(f"plugin {rec.name!r} declined {kind!r} on {device!r}")
         raise ComponentBuildError(
             f"cannot build component {spec.describe()} of kind {kind!r} on device chain "
             f"{' → '.join(self.device_chain)}: " + "; ".join(reasons))
+
+    def declared_component_classes(self) -> set[str]:
+        """The dotted component classes the usable plugins of this platform's registry declare
+        (``flowseam_component_classes``): what a checkpoint may name besides diffusers and
+        transformers classes."""
+        return {c for r in self._registry.usable() for c in r.component_classes}
 
     def component_plan(self, kind: str) -> tuple[str, str, bool]:
         """(device, plugin, fallback) that would first be asked to build ``kind``."""
@@ -162,6 +197,9 @@ class Platform:
             f"Platform: backend {self.name!r} ({b.distribution} {b.version}), "
             f"device chain {' → '.join(self.device_chain)}",
             "arch chains: " + "; ".join(f"{d}: {' → '.join(a)}" for d, a in self.arch_chains.items()),
+            "plugins per device: " + "; ".join(
+                f"{d}: " + ", ".join(f"{r.name} ({r.distribution} {r.version})" for r in self._serving[d])
+                for d in self.device_chain),
             "",
             f"{'op':<18}{'device/arch':<20}{'plugin':<12}{'fallback':<10}impl_id",
         ]
@@ -170,6 +208,13 @@ class Platform:
             p = k.provenance
             lines.append(f"{op:<18}{p.device + '/' + p.arch:<20}{p.plugin:<12}"
                          f"{'yes' if p.device != first else 'no':<10}{p.impl_id}")
+            # implementations that lost a conflict on this op stay visible here, not only below
+            for c in self.kernels.conflicts:
+                if c.op == op:
+                    for loser in c.losers:
+                        lp = self.kernels.pin(loser).provenance
+                        lines.append(f"{'  not chosen':<18}{lp.device + '/' + lp.arch:<20}"
+                                     f"{lp.plugin:<12}{'-':<10}{loser}")
         lines += ["", f"{'component':<16}{'kind':<16}{'device':<10}{'plugin':<12}{'fallback':<10}why"]
         for c in self.components:
             lines.append(f"{c.name:<16}{c.kind:<16}{c.device:<10}{c.plugin:<12}"
@@ -184,6 +229,15 @@ class Platform:
                              f"{'' if not fb else f'no plugin serving {first!r} builds {kind!r}'}")
         if self.conflicts:
             lines += ["", "conflicts:"] + [f"  {c}" for c in self.conflicts]
+        names = self._registry.name_conflicts()
+        if names:
+            lines += ["", "name conflicts (unusable until one is chosen as '<plugin>:<name>'):"]
+            lines += [f"  {c}" for c in names]
+        patches = [f"  {r.name} ({r.distribution} {r.version}): {p}"
+                   for r in sorted(self._registry.records.values(), key=lambda r: r.name)
+                   for p in r.patches]
+        if patches:
+            lines += ["", "torch globals replaced by plugins:"] + patches
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -17,9 +17,10 @@ the environment or ``sys.path``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import warnings
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, Iterable, Mapping
@@ -29,6 +30,7 @@ import pluggy
 from . import hookspecs, ops
 from .declarations import Availability, BackendInfo, KernelRegistration
 from .errors import PluginLoadError
+from .isolation import patch_watch, plugin_timeout, run_plugin_code
 
 ENTRY_POINT_GROUP = "flowseam.plugins"
 
@@ -54,10 +56,14 @@ class PluginRecord:
     backend: BackendInfo | None = None
     kernels: list[KernelRegistration] = field(default_factory=list)
     component_kinds: tuple[str, ...] = ()
+    component_classes: tuple[str, ...] = ()
     arch_chain: tuple[str, ...] = ("generic",)
     methods: dict[str, Any] = field(default_factory=dict)
     rewards: dict[str, Any] = field(default_factory=dict)
     plugin: Any = None  # the registered module/object
+    #: torch globals its code replaced (flowseam.isolation.patch_watch), e.g.
+    #: ``"torch.nn.functional.scaled_dot_product_attention (import)"``
+    patches: list[str] = field(default_factory=list)
 
     @property
     def device(self) -> str | None:
@@ -88,11 +94,26 @@ class PluginRecord:
             "ops": sorted({f"{k.op}@{k.arch}" for k in self.kernels}),
             "arch_chain": list(self.arch_chain) if self.backend else None,
             "components": list(self.component_kinds),
+            "component_classes": list(self.component_classes),
             "methods": sorted(self.methods),
             "rewards": sorted(self.rewards),
             "entry_point": self.value,
+            "patches": list(self.patches),
             "traceback": self.traceback or None,
         }
+
+
+@dataclass(frozen=True)
+class NameConflict:
+    """Two or more plugins register one training-method or reward name."""
+
+    what: str  # "method" or "reward"
+    name: str
+    plugins: tuple[str, ...]
+    claimants: tuple[str, ...]  # "plugin (distribution version)"
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.name!r}: {', '.join(self.claimants)}"
 
 
 class PluginRegistry:
@@ -120,6 +141,21 @@ class PluginRegistry:
     def broken(self) -> list[PluginRecord]:
         return [r for r in self.records.values() if r.status == "broken"]
 
+    def name_conflicts(self) -> list["NameConflict"]:
+        """Training-method and reward names that two or more usable plugins register. Such a
+        name resolves to nothing until one is chosen (``"<plugin>:<name>"``) or the others are
+        blocked; see :func:`flowseam.training.get_method`."""
+        out = []
+        for what, attr in (("method", "methods"), ("reward", "rewards")):
+            claims: dict[str, list[PluginRecord]] = {}
+            for rec in sorted(self.usable(), key=lambda r: r.name):
+                for name in getattr(rec, attr):
+                    claims.setdefault(name, []).append(rec)
+            out += [NameConflict(what, name, tuple(r.name for r in recs),
+                                 tuple(f"{r.name} ({r.distribution} {r.version})" for r in recs))
+                    for name, recs in sorted(claims.items()) if len(recs) > 1]
+        return out
+
     def call(self, record: PluginRecord, hook: str, **kwargs: Any) -> Any:
         """Call one plugin's implementation of ``hook`` (None if it has none)."""
         for impl in getattr(self.pm.hook, hook).get_hookimpls():
@@ -130,26 +166,30 @@ class PluginRegistry:
     # -- loading ---------------------------------------------------------------------------
     def load(self, name: str, value: str, distribution: str, version: str,
              loader: Callable[[], Any], *, check_availability: bool = True) -> PluginRecord:
-        """Import, register, validate and interrogate one plugin; never raises for a bad plugin."""
+        """Import, register, validate and interrogate one plugin; never raises for a bad plugin.
+
+        The plugin's import and its hook calls run through
+        :func:`flowseam.isolation.run_plugin_code` (timeout, ``os._exit`` and stdout guarded)
+        and :func:`flowseam.isolation.patch_watch` (torch globals it replaces are recorded).
+        """
         rec = PluginRecord(name=name, value=value, distribution=distribution, version=version)
         self.records[name] = rec
+        who = f"plugin {name!r} ({distribution} {version})"
         try:
-            plugin = loader()
+            timeout = plugin_timeout()
+            with patch_watch(rec, "import"):
+                plugin = run_plugin_code(loader, f"importing {who}", timeout)
             self.pm.register(plugin, name=name)
             rec.plugin = plugin
             _reject_unknown_hooks(self.pm, plugin, name)
-            _read_declarations(self, rec)
-            if rec.backend is not None and check_availability:
-                avail = self.call(rec, "flowseam_backend_available")
-                if avail is None:
-                    avail = Availability(True, "")
-                if not (isinstance(avail, tuple) and len(avail) == 2 and isinstance(avail[0], bool)):
-                    raise TypeError(f"flowseam_backend_available() returned {avail!r}; "
-                                    "expected flowseam.Availability(ok: bool, reason: str)")
-                if not avail[0]:
-                    rec.status, rec.reason = "unavailable", str(avail[1]) or "unavailable"
-            if rec.backend is not None and rec.usable:
-                rec.arch_chain = _arch_chain(self.call(rec, "flowseam_arch_chain"))
+            # the hooks fill a scratch copy; a plugin that times out cannot change the record later
+            scratch = dataclasses.replace(rec, patches=[])
+            with patch_watch(rec, "hooks"):
+                run_plugin_code(lambda: self._interrogate(scratch, check_availability),
+                                f"calling the hooks of {who}", timeout)
+            for f in dataclasses.fields(PluginRecord):
+                if f.name != "patches":
+                    setattr(rec, f.name, getattr(scratch, f.name))
         except (Exception, SystemExit) as exc:  # a bad plugin must not take the others down
             rec.status = "broken"
             rec.reason = f"{type(exc).__name__}: {exc}"
@@ -158,6 +198,21 @@ class PluginRegistry:
                 self.pm.unregister(name=name)
             rec.plugin = None
         return rec
+
+    def _interrogate(self, rec: PluginRecord, check_availability: bool) -> None:
+        """Read a registered plugin's declarations, availability and arch chain into ``rec``."""
+        _read_declarations(self, rec)
+        if rec.backend is not None and check_availability:
+            avail = self.call(rec, "flowseam_backend_available")
+            if avail is None:
+                avail = Availability(True, "")
+            if not (isinstance(avail, tuple) and len(avail) == 2 and isinstance(avail[0], bool)):
+                raise TypeError(f"flowseam_backend_available() returned {avail!r}; "
+                                "expected flowseam.Availability(ok: bool, reason: str)")
+            if not avail[0]:
+                rec.status, rec.reason = "unavailable", str(avail[1]) or "unavailable"
+        if rec.backend is not None and rec.usable:
+            rec.arch_chain = _arch_chain(self.call(rec, "flowseam_arch_chain"))
 
 
 def _reject_unknown_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
@@ -194,6 +249,12 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
     if kinds and backend is None:
         raise ValueError("plugin declares component kinds but no backend (flowseam_backend)")
     rec.component_kinds = kinds
+    classes = _names(reg.call(rec, "flowseam_component_classes"), "flowseam_component_classes")
+    bad = [c for c in classes if len(c.split(".")) < 2 or not all(p.isidentifier() for p in c.split("."))]
+    if bad:
+        raise ValueError(f"flowseam_component_classes() returned {bad!r}; expected dotted class "
+                         "paths such as 'flowseam_myvendor.models.MyDiT'")
+    rec.component_classes = tuple(classes)
     rec.methods = _named_mapping(reg.call(rec, "flowseam_training_methods"), "flowseam_training_methods")
     rec.rewards = _named_mapping(reg.call(rec, "flowseam_rewards"), "flowseam_rewards")
 
@@ -243,6 +304,16 @@ def _entry_point_value_loader(name: str, value: str) -> Callable[[], Any]:
     return metadata.EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP).load
 
 
+def _dist_name(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else "?"
+
+
+def _dist_version(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.version if dist is not None else "?"
+
+
 def scan() -> PluginRegistry:
     """Scan the entry-point group and load every plugin (uncached). Honors the environment."""
     global DISCOVERY_SCANS
@@ -251,32 +322,41 @@ def scan() -> PluginRegistry:
     block = _env_list("FLOWSEAM_DISABLE_PLUGINS") or set()
     reg = PluginRegistry()
     eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP),
-                 key=lambda e: (e.name, e.dist.metadata["Name"] if e.dist is not None else ""))
+                 key=lambda e: (e.name, _dist_name(e)))
     known = {ep.name for ep in eps}
     for name in sorted((allow or set()) - known):
         warnings.warn(f"FLOWSEAM_PLUGINS names {name!r}, which is not an installed plugin; "
                       f"installed: {sorted(known)}", stacklevel=2)
+    try:  # plugins import torch; import it first, so a hung plugin never holds its import lock
+        import torch  # noqa: F401  (and so that patch_watch has a "before")
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    claims: dict[str, list[metadata.EntryPoint]] = {}
     for ep in eps:
-        dist = getattr(ep, "dist", None)
-        dist_name = dist.metadata["Name"] if dist is not None else "?"
-        version = dist.version if dist is not None else "?"
-        if (allow is not None and ep.name not in allow) or ep.name in block:
-            why = "not in FLOWSEAM_PLUGINS" if allow is not None and ep.name not in allow \
+        claims.setdefault(ep.name, []).append(ep)
+    for name, group in claims.items():
+        dists = [(_dist_name(ep), _dist_version(ep)) for ep in group]
+        if (allow is not None and name not in allow) or name in block:
+            why = "not in FLOWSEAM_PLUGINS" if allow is not None and name not in allow \
                 else "listed in FLOWSEAM_DISABLE_PLUGINS"
-            reg.records.setdefault(ep.name, PluginRecord(name=ep.name, value=ep.value,
-                                                distribution=dist_name, version=version,
-                                                status="blocked", reason=why))
+            reg.records[name] = PluginRecord(name=name, value=group[0].value,
+                                             distribution=dists[0][0], version=dists[0][1],
+                                             status="blocked", reason=why)
             continue
-        if ep.name in reg.records:
-            first = reg.records[ep.name]
-            key = f"{ep.name}@{dist_name}"
-            reg.records[key] = PluginRecord(
-                name=key, value=ep.value, distribution=dist_name, version=version,
-                status="broken", reason=f"entry-point name {ep.name!r} is already taken by "
-                f"{first.distribution}; rename this plugin's entry point (skipped, the first "
-                "distribution in name order keeps the name)")
+        if len(group) > 1:
+            # No distribution may take another's name (a package registering "cpu" would replace
+            # flowseam-cpu): every claimant is skipped, loudly, until all but one are removed.
+            listed = ", ".join(f"{d} {v} ({ep.value})" for (d, v), ep in zip(dists, group))
+            for i, (ep, (dist_name, version)) in enumerate(zip(group, dists)):
+                key = name if i == 0 else f"{name}@{dist_name}"
+                reg.records[key] = PluginRecord(
+                    name=key, value=ep.value, distribution=dist_name, version=version,
+                    status="broken",
+                    reason=f"entry-point name {name!r} is claimed by {len(group)} distributions: "
+                           f"{listed}; none of them is loaded, so that no package silently takes "
+                           "another's place; uninstall or rename all but one")
             continue
-        reg.load(ep.name, ep.value, dist_name, version, ep.load)
+        reg.load(name, group[0].value, dists[0][0], dists[0][1], group[0].load)
     if strict_mode():
         raise_if_broken(reg)
     return reg

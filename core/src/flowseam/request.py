@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import InvalidParameterError
 
 
 class TaskType(str, enum.Enum):
@@ -19,6 +24,86 @@ class TaskType(str, enum.Enum):
     T2I = "t2i"
     T2V = "t2v"
     I2V = "i2v"
+
+
+#: The largest seed a ``torch.Generator`` takes (``manual_seed`` accepts ``[0, 2**64 - 1]``).
+MAX_SEED = 2**64 - 1
+
+
+def _check_number(name: str, value: Any, kind: type, low: float | None, high: float | None) -> Any:
+    """``value`` as ``kind`` (int or float) if it is one, finite and in ``[low, high]`` (``low``
+    exclusive when given as ``(low,)``, see :data:`_FIELD_RULES`).
+
+    :raises InvalidParameterError: naming ``name`` and the allowed range.
+    """
+    exclusive = isinstance(low, tuple)
+    lo = low[0] if exclusive else low
+    allowed = ("an integer" if kind is int else "a finite number") + (
+        f" > {lo:g}" if exclusive else f" >= {lo:g}" if lo is not None else "") + (
+        f" and <= {high}" if high is not None else "")
+    ok_type = (isinstance(value, numbers.Integral) if kind is int else isinstance(value, numbers.Real))
+    if isinstance(value, bool) or not ok_type:
+        raise InvalidParameterError(name, f"{name}={value!r} must be {allowed}")
+    value = kind(value)
+    if kind is float and not math.isfinite(value):
+        raise InvalidParameterError(name, f"{name}={value!r} must be {allowed}")
+    if lo is not None and (value <= lo if exclusive else value < lo):
+        raise InvalidParameterError(name, f"{name}={value!r} must be {allowed}")
+    if high is not None and value > high:
+        raise InvalidParameterError(name, f"{name}={value!r} must be {allowed}")
+    return value
+
+
+#: field → (type, lower bound (a 1-tuple: exclusive), upper bound), checked when the field is set.
+_FIELD_RULES: dict[str, tuple[type, Any, Any]] = {
+    "num_steps": (int, 1, None),
+    "guidance_scale": (float, 0.0, None),
+    "flow_shift": (float, (0.0,), None),
+    "seed": (int, 0, MAX_SEED),
+    "height": (int, 1, None),
+    "width": (int, 1, None),
+    "num_frames": (int, 1, None),
+    "noise_level": (float, 0.0, None),
+    "max_sequence_length": (int, 1, None),
+    "frame_rate": (float, (0.0,), None),
+    "audio_guidance_scale": (float, 0.0, None),
+    "stages": (int, 1, 2),
+    "refine_guidance_scale": (float, 0.0, None),
+}
+
+
+def memory_bytes(params: DiffusionParams, batch: int = 1) -> int:
+    """A lower bound of the host memory a request needs, in bytes: the decoded frames in float32
+    (``B * F * H * W * 3 * 4``) plus their uint8 copy for writing, and the sigma schedule
+    (``num_steps + 1`` float64 sigmas and float32 timesteps, in numpy and torch). Latents and
+    activations come on top (card- and model-dependent), so a request refused by this bound
+    cannot run anywhere near this machine."""
+    frames = batch * (params.num_frames or 1) * (params.height or 1) * (params.width or 1) * 3
+    steps = (params.num_steps or 0) + 1
+    return frames * (4 + 1) + steps * (8 + 4) * 2
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
+
+
+def check_memory(params: DiffusionParams, batch: int = 1) -> None:
+    """Refuse a request whose :func:`memory_bytes` lower bound exceeds this machine's physical
+    memory, before anything is allocated.
+
+    :raises InvalidParameterError: saying how much the request needs and how much there is.
+    """
+    need, have = memory_bytes(params, batch), physical_memory()
+    if have is not None and need > have:
+        field = "num_steps" if (params.num_steps or 0) * 24 > need // 2 else "height"
+        raise InvalidParameterError(
+            field, f"this request (batch {batch}, {params.num_frames or 1} frame(s) of "
+            f"{params.height}x{params.width}, {params.num_steps} steps) needs at least "
+            f"{need / 2**30:,.1f} GiB of memory; this machine has {have / 2**30:,.1f} GiB")
 
 
 @dataclass(frozen=True)
@@ -93,6 +178,37 @@ class DiffusionParams:
         for name in ("sde_window", "refine_sigmas"):  # TOML/YAML give lists; keep params hashable
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field that is set, before any model loads: integers are integers (not
+        floats or bools), numbers are finite and in range, the seed fits a ``torch.Generator``.
+
+        :raises InvalidParameterError: (a ``ValueError``) naming the field, the bad value and what
+            is allowed.
+        """
+        for name, (kind, low, high) in _FIELD_RULES.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            checked = _check_number(name, value, kind, low, high)
+            if checked is not value:
+                object.__setattr__(self, name, checked)
+        if not isinstance(self.sde_rollout, bool):
+            raise InvalidParameterError("sde_rollout", f"sde_rollout={self.sde_rollout!r} must be "
+                                        "true or false")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            raise InvalidParameterError("negative_prompt", f"negative_prompt={self.negative_prompt!r} "
+                                        "must be a string")
+        if self.sde_window is not None:
+            window = self.sde_window
+            ok = (isinstance(window, tuple) and len(window) == 2
+                  and all(isinstance(v, int) and not isinstance(v, bool) for v in window)
+                  and 0 <= window[0] < window[1])
+            if not ok or (self.num_steps is not None and window[0] >= self.num_steps):
+                raise InvalidParameterError(
+                    "sde_window", f"sde_window={window!r} must be [start, end) step indices with "
+                    f"0 <= start < end and start < num_steps={self.num_steps}")
 
     def with_defaults(self, defaults: dict[str, Any]) -> "DiffusionParams":
         """A copy with every ``None`` field filled from ``defaults`` (a card's).
@@ -139,44 +255,37 @@ class GenerationRequest:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def sample_seeds(self, params: DiffusionParams) -> list[int]:
-        """One seed per prompt. Raises ValueError if ``seeds`` has the wrong length."""
+        """One seed per prompt, each in ``[0, 2**64 - 1]`` (what ``torch.Generator.manual_seed``
+        takes). Raises ValueError if ``seeds`` has the wrong length or a seed is out of range."""
         n = len(self.prompts)
         if self.seeds is None:
             base = 0 if params.seed is None else params.seed
+            if base + n - 1 > MAX_SEED:
+                raise InvalidParameterError(
+                    "seed", f"seed={base} with {n} samples needs seeds up to {base + n - 1}, over "
+                    f"the generator's maximum {MAX_SEED}")
             return [base + i for i in range(n)]
         if len(self.seeds) != n:
             raise ValueError(f"seeds has {len(self.seeds)} entries for {n} prompts; give one each")
-        return [int(s) for s in self.seeds]
+        return [_check_number("seeds[]", s, int, 0, MAX_SEED) for s in self.seeds]
 
 
 def check_common(params: DiffusionParams, request: GenerationRequest | None = None) -> None:
-    """Checks that hold for every card. Raises ValueError naming the bad value."""
+    """Checks that hold for every card, after its defaults are filled in: the fields the card
+    needs are set, and the request fits in memory (:func:`check_memory`). Raises ValueError
+    naming the bad value."""
+    params.validate()  # a DiffusionParams changed with object.__setattr__ is checked again
+    batch = 1
     if request is not None:
         prompts = request.prompts
         if not prompts or any(not isinstance(p, str) for p in prompts):
             raise ValueError(f"prompt={request.prompt!r} must be a string or a non-empty list of strings")
-    if not isinstance(params.num_steps, int) or params.num_steps < 1:
-        raise ValueError(f"num_steps={params.num_steps!r} must be an integer >= 1")
-    if params.guidance_scale is not None and params.guidance_scale < 0:
-        raise ValueError(f"guidance_scale={params.guidance_scale!r} must be >= 0")
-    if params.flow_shift is not None and params.flow_shift <= 0:
-        raise ValueError(f"flow_shift={params.flow_shift!r} must be > 0")
-    for name in ("height", "width"):
-        value = getattr(params, name)
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive number of pixels")
-    if params.negative_prompt is not None and not isinstance(params.negative_prompt, str):
-        raise ValueError(f"negative_prompt={params.negative_prompt!r} must be a string")
-    if params.noise_level < 0:
-        raise ValueError(f"noise_level={params.noise_level!r} must be >= 0")
-    if params.sde_window is not None:
-        window = params.sde_window
-        ok = (isinstance(window, (tuple, list)) and len(window) == 2
-              and all(isinstance(v, int) and not isinstance(v, bool) for v in window)
-              and 0 <= window[0] < window[1])
-        if not ok or window[0] >= params.num_steps:
-            raise ValueError(f"sde_window={window!r} must be [start, end) step indices with "
-                             f"0 <= start < end and start < num_steps={params.num_steps}")
+        batch = len(prompts)
+        request.sample_seeds(params)  # every seed in the generator's range
+    for name in ("num_steps", "height", "width"):
+        if getattr(params, name) is None:
+            raise InvalidParameterError(name, f"{name} is not set and the card has no default")
+    check_memory(params, batch)
 
 
 #: the parameters only the ``wan_causal`` loop implements

@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..faults import check_finite, check_velocity, component_faults
 from ..request import GenerationRequest
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 from .solvers import SolverSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
+
+#: The component kinds that turn a request into conditioning (stage 2).
+ENCODERS = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
 
 
 def run(model: "ModelInstance", request: GenerationRequest,
@@ -37,6 +41,9 @@ def run(model: "ModelInstance", request: GenerationRequest,
     :param step_callback: ``step_callback(i, num_steps, latents)`` after step ``i``
         (:data:`~flowseam.loops.records.StepCallback`); an exception it raises stops the loop.
     :raises ValueError: for invalid requests (raised before any model runs).
+    :raises PluginFaultError: when a kernel or component raises or returns something wrong (a
+        wrong shape, dtype or device, non-finite values), naming the plugin, the step, the op and
+        the kernel's ``impl_id`` (:mod:`flowseam.faults`).
     """
     t_start = time.perf_counter()
     # 1. Check inputs: fill the card's defaults, validate, one generator per sample.
@@ -44,19 +51,23 @@ def run(model: "ModelInstance", request: GenerationRequest,
     seeds = request.sample_seeds(params)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
 
-    # 2. Encode the prompt (cached per text-encoder weights version and prompt).
-    cond = model.encode(request, params)
+    # 2. Encode the prompt (cached per text-encoder weights version and prompt). A component
+    #    that raises, or returns non-finite embeddings, is named with the plugin that built it.
+    with component_faults(model, ENCODERS, "encoding the prompt"):
+        cond = model.encode(request, params)
+    check_finite(model, ENCODERS, cond.prompt_embeds, "returned non-finite prompt embeddings")
     t_encoded = time.perf_counter()
 
     # 3. Prepare latents, then the sigma schedule (it may depend on the latent size): the
     #    checkpoint's scheduler, with what the request overrides (model.solver, flowseam.schedulers).
-    latents = model.prepare_latents(request, params, generators, cond)
+    with component_faults(model, ("vae", "image_encoder"), "preparing the latents"):
+        latents = model.prepare_latents(request, params, generators, cond)
     schedule = model.schedule(params, latents)
 
     # 4. Denoise: the solver op is picked once, before the first step, from the schedule's
     #    solver (an SDE rollout runs Flow-GRPO's first-order steps on the same schedule); each
     #    step's expert is the DiT that owns its timestep (one for Wan2.1 and FLUX.1).
-    solve = SolverSteps(model.platform.kernels, schedule, params, generators)
+    solve = SolverSteps(model.platform.kernels, schedule, params, generators, model=model)
     capture = profile is ExecutionProfile.ROLLOUT
     records: list[BehaviorRecord] = []
     experts: list[str] = []
@@ -68,7 +79,11 @@ def run(model: "ModelInstance", request: GenerationRequest,
         for i in steps:
             t = schedule.timesteps[i].expand(latents.shape[0])
             expert = model.expert_at(schedule.timesteps[i])
-            velocity = model.velocity(latents, t, cond, params, expert=expert)
+            with component_faults(model, ("dit",), f"predicting the velocity at step {i}"):
+                velocity = model.velocity(latents, t, cond, params, expert=expert)
+            check_velocity(model, i, velocity, latents)
+            # every kernel output is checked in the step: the latents' shape, dtype and device,
+            # finite (else named: step, op, impl_id; or the DiT's plugin for a non-finite velocity)
             step = solve(i, latents, velocity)
             if capture:
                 records.append(BehaviorRecord(i, latents, step.next_latents, t, step.sigma,
@@ -81,7 +96,11 @@ def run(model: "ModelInstance", request: GenerationRequest,
     t_denoised = time.perf_counter()
 
     # 5. Decode.
-    frames = model.decode(latents, params) if decode else np.zeros((0,), np.float32)
+    frames = np.zeros((0,), np.float32)
+    if decode:
+        with component_faults(model, ("vae",), "decoding the latents"):
+            frames = model.decode(latents, params)
+        check_finite(model, ("vae",), frames, "decoded non-finite frames")
     t_end = time.perf_counter()
     return LoopResult(
         frames=frames, latents=latents, params=params, seeds=seeds, records=records, cond=cond,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import ops
+from ..faults import check_step
 from ..noise import noise_like
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,10 +56,19 @@ class SolverSteps:
     :param schedule: the request's schedule (sigmas, timesteps, solver).
     :param params: the request's parameters (``sde_rollout``, ``noise_level``, ``sde_window``).
     :param generators: one per sample; stochastic steps draw their noise from them.
+    :param model: the model whose DiT computes the velocities, to name its plugin when a
+        velocity is non-finite (:func:`flowseam.faults.check_step`).
+
+    Every kernel output is checked right after the call (the latents' shape, dtype and device,
+    finite; an SDE step's ``(B,)`` finite log-prob): a wrong one raises
+    :class:`~flowseam.errors.KernelFaultError` naming the step, op and ``impl_id``, or
+    :class:`~flowseam.errors.ComponentFaultError` naming the DiT's plugin when the velocity it
+    was given was already non-finite.
     """
 
     def __init__(self, kernels: "KernelTable", schedule: "Schedule", params: "DiffusionParams",
-                 generators: list[torch.Generator]) -> None:
+                 generators: list[torch.Generator], model: Any = None) -> None:
+        self.model = model
         self.solver = schedule.solver
         self.params = params
         self.generators = generators
@@ -103,28 +113,38 @@ class SolverSteps:
         """Step ``i``: from ``sigmas[i]`` to ``sigmas[i + 1]`` with the DiT's ``velocity``."""
         sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
         params = self.params
+        model = self.model
         if self.op == ops.FLOW_SDE_STEP:
             if self.window is not None and i not in self.window:
-                return Step(self.ode(latents, velocity, sigma, sigma_next), None,
-                            self.ode.impl_id, sigma, sigma_next)
+                out = self.ode(latents, velocity, sigma, sigma_next)
+                check_step(model, i, self.ode, latents, velocity, out, sigma, sigma_next)
+                return Step(out, None, self.ode.impl_id, sigma, sigma_next)
             out = self.kernel(latents, velocity, sigma, sigma_next,
                               noise=noise_like(latents, self.generators),
                               noise_level=params.noise_level, sigma_max=self.sigma_max)
-            return Step(out.sample, out.log_prob, self.impl_id, sigma, sigma_next)
+            sample, log_prob = getattr(out, "sample", out), getattr(out, "log_prob", None)
+            check_step(model, i, self.kernel, latents, velocity, sample, sigma, sigma_next,
+                       log_prob, sde=True)
+            return Step(sample, log_prob, self.impl_id, sigma, sigma_next)
         if self.op == ops.UNIPC_STEP:
             out = self.kernel(latents, velocity, sigma, sigma_next, self.state,
                               order=self.solver.unipc_order(i, self.num_steps),
                               solver_type=self.solver.config["solver_type"],
                               corrector=self.solver.unipc_corrector(i))
+            sample = getattr(out, "sample", out)
+            check_step(model, i, self.kernel, latents, velocity, sample, sigma, sigma_next)
             self.state = out.state
-            return Step(out.sample, None, self.impl_id, sigma, sigma_next)
+            return Step(sample, None, self.impl_id, sigma, sigma_next)
         if ops.FLOW_RENOISE in self.kernels:  # stochastic sampling: predict x0, re-noise it
             renoise = self.kernels[ops.FLOW_RENOISE]
             x0 = self.kernel(latents, velocity, sigma, 0.0)
-            noise = noise_like(latents, self.generators)
-            return Step(renoise(x0, noise, sigma_next), None, renoise.impl_id, sigma, sigma_next)
-        return Step(self.kernel(latents, velocity, sigma, sigma_next), None, self.impl_id,
-                    sigma, sigma_next)
+            check_step(model, i, self.kernel, latents, velocity, x0, sigma, 0.0)
+            out = renoise(x0, noise_like(latents, self.generators), sigma_next)
+            check_step(model, i, renoise, x0, None, out, 0.0, sigma_next)
+            return Step(out, None, renoise.impl_id, sigma, sigma_next)
+        out = self.kernel(latents, velocity, sigma, sigma_next)
+        check_step(model, i, self.kernel, latents, velocity, out, sigma, sigma_next)
+        return Step(out, None, self.impl_id, sigma, sigma_next)
 
 
 __all__ = ["SolverSteps", "Step"]

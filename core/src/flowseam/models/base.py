@@ -362,14 +362,20 @@ class ModelInstance:
         raise NotImplementedError
 
     def check_image(self, request: GenerationRequest) -> None:
-        """An image-to-video card needs ``request.image``; the others take none.
+        """An image-to-video card needs ``request.image``, which is read and converted to RGB
+        here (``request.image`` becomes the PIL image; :func:`flowseam.media.read_image`), so a
+        bad file fails before any model runs; the other cards take none.
 
-        :raises ValueError: naming the card and what to pass or use instead.
+        :raises ValueError: naming the card and what to pass or use instead, or the image and
+            what is wrong with it.
         """
         if TaskType.I2V in self.card.tasks:
             if request.image is None:
                 raise ValueError(f"{self.card.name} is image-to-video: pass image= (a PIL image, "
                                  "a path, or an (H, W, 3) float array in [0, 1])")
+            from ..media import read_image
+
+            request.image = read_image(request.image)
         elif request.image is not None:
             what = {TaskType.T2V: "text-to-video", TaskType.T2I: "text-to-image"}[self.card.task]
             raise ValueError(f"{self.card.name} is {what} and takes no image; use an "

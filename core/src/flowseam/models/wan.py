@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import html
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -186,7 +185,7 @@ class WanI2V(WanT2V):
     extra cross-attention tokens (diffusers' WanImageToVideoPipeline)."""
 
     def check_image(self, request: GenerationRequest) -> None:
-        super().check_image(request)
+        super().check_image(request)  # reads and converts the image (flowseam.media.read_image)
         if len(request.prompts) != 1:
             raise ValueError(f"{self.card.name} takes one image per request; got "
                              f"{len(request.prompts)} prompts (run one request per image)")
@@ -255,26 +254,14 @@ class WanI2V(WanT2V):
 
 
 def load_image(image: Any):
-    """A PIL RGB image from a PIL image, a path, or an ``(H, W, 3)`` float array in [0, 1].
+    """A PIL RGB image from a PIL image, a path, or an ``(H, W, 3)`` float array in [0, 1]
+    (:func:`flowseam.media.read_image`: every mode converted correctly, bad files refused).
 
-    :raises ValueError: for anything else, naming what was given.
+    :raises ValueError: naming what was given and what is wrong with it.
     """
-    from PIL import Image
+    from ..media import read_image
 
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    if isinstance(image, (str, Path)):
-        path = Path(image)
-        if not path.is_file():
-            raise ValueError(f"image {path} does not exist")
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    if isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3:
-        from ..media import to_uint8
-
-        return Image.fromarray(to_uint8(image))
-    raise ValueError(f"image={type(image).__name__} is not supported; pass a PIL image, a path, "
-                     "or an (H, W, 3) float array in [0, 1]")
+    return read_image(image)
 
 
 _WAN_COMMON = (

@@ -12,43 +12,80 @@ from typing import Any
 from ..errors import FlowseamError
 
 
-def _collect(attr: str) -> dict[str, Any]:
+def _claims(attr: str) -> dict[str, list[tuple[Any, Any]]]:
+    """name → [(plugin record, object)] over every usable plugin, in plugin-name order."""
     from ..plugins import discover
 
-    found: dict[str, Any] = {}
+    found: dict[str, list[tuple[Any, Any]]] = {}
     for rec in sorted(discover().usable(), key=lambda r: r.name):
         for name, obj in getattr(rec, attr).items():
-            found.setdefault(name, obj)
+            found.setdefault(name, []).append((rec, obj))
     return found
 
 
+def _registered(attr: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, claims in _claims(attr).items():
+        if len(claims) == 1:
+            out[name] = claims[0][1]
+        else:  # a conflict: only the qualified names resolve
+            out.update({f"{rec.name}:{name}": obj for rec, obj in claims})
+    return out
+
+
+def _resolve(attr: str, what: str, name: str) -> Any:
+    """The object registered as ``name`` (or ``"plugin:name"``).
+
+    :raises FlowseamError: for an unknown name (listing the registered ones), or a name that two
+        or more plugins register (listing them, and how to choose): never a silent winner.
+    """
+    claims = _claims(attr)
+    plugin, sep, short = name.rpartition(":")
+    if sep and short in claims:
+        for rec, obj in claims[short]:
+            if rec.name == plugin:
+                return obj
+    if name not in claims:
+        raise FlowseamError(f"unknown {what} {name!r}; registered {what}s: {sorted(_registered(attr))}")
+    if len(claims[name]) > 1:
+        who = ", ".join(f"{rec.name!r} ({rec.distribution} {rec.version})" for rec, _ in claims[name])
+        first = claims[name][0][0].name
+        others = ",".join(rec.name for rec, _ in claims[name][1:])
+        raise FlowseamError(
+            f"{what} {name!r} is registered by {len(claims[name])} plugins: {who}; flowseam does "
+            f"not pick one silently. Name one as '{first}:{name}', or block the others with "
+            f"FLOWSEAM_DISABLE_PLUGINS={others}")
+    return claims[name][0][1]
+
+
 def registered_methods() -> dict[str, Any]:
-    """Every registered training method: name → class (from the discovered plugins)."""
-    return _collect("methods")
+    """Every registered training method: name → class (from the discovered plugins). A name two
+    plugins register appears only qualified, as ``"<plugin>:<name>"``."""
+    return _registered("methods")
 
 
 def get_method(name: str) -> Any:
-    """:raises FlowseamError: for an unknown method, listing the registered ones."""
-    available = registered_methods()
-    if name not in available:
-        raise FlowseamError(f"unknown training method {name!r}; registered methods: {sorted(available)}")
-    return available[name]
+    """The training method ``name`` (or ``"<plugin>:<name>"``).
+
+    :raises FlowseamError: for an unknown method (listing the registered ones), or one that
+        several plugins register (naming them).
+    """
+    return _resolve("methods", "training method", name)
 
 
 def registered_rewards() -> dict[str, Any]:
-    """Every registered reward: name → reward (or factory)."""
-    return _collect("rewards")
+    """Every registered reward: name → reward (or factory); conflicting names qualified."""
+    return _registered("rewards")
 
 
 def get_reward(name: str, **kwargs: Any):
-    """Resolve a reward plugin by name; a factory (class) is called with ``kwargs``.
+    """Resolve a reward plugin by name (or ``"<plugin>:<name>"``); a factory (class) is called
+    with ``kwargs``.
 
-    :raises FlowseamError: for an unknown reward, listing the registered ones.
+    :raises FlowseamError: for an unknown reward (listing the registered ones), or one that
+        several plugins register (naming them).
     """
-    available = registered_rewards()
-    if name not in available:
-        raise FlowseamError(f"unknown reward {name!r}; registered rewards: {sorted(available)}")
-    reward = available[name]
+    reward = _resolve("rewards", "reward", name)
     return reward(**kwargs) if isinstance(reward, type) else reward
 
 

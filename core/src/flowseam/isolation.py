@@ -1,0 +1,186 @@
+"""Running a plugin's code at discovery so that it cannot hang, kill or corrupt the host process.
+
+Discovery imports each plugin and calls its declaration hooks in this process (the kernels and
+components it returns are used here). Each of those steps runs through :func:`run_plugin_code`:
+
+* **Timeout.** The code runs on a daemon thread; the host waits at most
+  ``FLOWSEAM_PLUGIN_TIMEOUT`` seconds (default 60; ``0`` waits forever). A plugin that does not
+  finish in time is reported ``broken`` ("did not finish ... within 60 s") and skipped; its
+  thread is left running in the background (Python cannot stop a thread) and dies with the
+  process. torch is imported before any plugin, so a hung plugin never holds torch's import lock.
+* **``os._exit``.** While plugin code runs, ``os._exit`` is replaced by a function that raises
+  :class:`PluginExitError` (a ``SystemExit``) in the plugin's thread: the plugin is reported
+  ``broken`` ("called os._exit(3)") and the process lives on. ``sys.exit`` already raised
+  ``SystemExit``. If another thread calls ``os._exit`` meanwhile, flowseam names the plugin being
+  loaded on stderr and lets the process exit.
+* **stdout.** Whatever plugin code prints goes to stderr, so ``flowseam backends --json`` (and
+  any other machine-read stdout) stays valid.
+* **torch globals.** :func:`patch_watch` compares torch's public functions, ``torch.Tensor`` and
+  ``torch.nn.Module`` methods and the global flags (default dtype, grad mode, deterministic
+  algorithms, TF32, matmul precision) before and after the plugin's code; anything it replaced
+  (``torch.nn.functional.scaled_dot_product_attention = ...``) is recorded on the plugin
+  (``PluginRecord.patches``) and shown by ``flowseam backends`` and ``platform.explain()``. The
+  plugin still loads: patching is reported, not refused.
+
+What this cannot catch: a plugin that kills the process by other means (``os.kill(os.getpid(),
+SIGKILL)``, a segfault in a C extension) or blocks while holding the GIL. Run ``flowseam
+backends`` in a separate process to vet an untrusted package first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+#: Seconds discovery waits for one plugin's import (and for each of its hook calls).
+DEFAULT_TIMEOUT = 60.0
+TIMEOUT_VAR = "FLOWSEAM_PLUGIN_TIMEOUT"
+
+
+class PluginExitError(SystemExit):
+    """Raised in place of ``os._exit(code)`` while plugin code runs at discovery."""
+
+
+class PluginTimeoutError(Exception):
+    """A plugin's code did not finish within ``FLOWSEAM_PLUGIN_TIMEOUT`` seconds."""
+
+
+def plugin_timeout() -> float | None:
+    """``FLOWSEAM_PLUGIN_TIMEOUT`` in seconds (default 60); None (no limit) for ``0``.
+
+    :raises ValueError: for a value that is not a number >= 0.
+    """
+    raw = os.environ.get(TIMEOUT_VAR, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{TIMEOUT_VAR}={raw!r} must be a number of seconds >= 0 (0: no limit)")
+    return value or None
+
+
+def run_plugin_code(fn: Callable[[], Any], what: str, timeout: float | None) -> Any:
+    """``fn()`` on a daemon thread, with stdout sent to stderr and ``os._exit`` turned into
+    :class:`PluginExitError`; returns its result or re-raises its exception.
+
+    :param what: what the code does, for messages (``"importing plugin 'x' (dist 1.0)"``).
+    :raises PluginTimeoutError: if it has not finished after ``timeout`` seconds.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, name=f"flowseam: {what}", daemon=True)
+    real_exit = os._exit
+
+    def guarded_exit(code: int = 0) -> None:
+        if threading.current_thread() is worker:
+            raise PluginExitError(f"called os._exit({code}) while {what}")
+        print(f"flowseam: os._exit({code}) called while {what}; the process exits", file=sys.stderr)
+        real_exit(code)
+
+    with contextlib.redirect_stdout(sys.stderr):
+        os._exit = guarded_exit
+        try:
+            worker.start()
+            worker.join(timeout)
+        finally:
+            os._exit = real_exit
+    if worker.is_alive():
+        raise PluginTimeoutError(
+            f"did not finish {what} within {timeout:g} s ({TIMEOUT_VAR}; it keeps running in a "
+            "background thread until the process exits)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# -- torch globals ------------------------------------------------------------------------------
+
+def _namespaces() -> dict[str, Any]:
+    import torch
+    import torch.nn.functional
+
+    return {"torch": torch, "torch.nn.functional": torch.nn.functional,
+            "torch.nn.init": torch.nn.init, "torch.linalg": torch.linalg,
+            "torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module}
+
+
+def _flags() -> dict[str, Any]:
+    import torch
+
+    return {
+        "torch.get_default_dtype()": torch.get_default_dtype(),
+        "torch.is_grad_enabled()": torch.is_grad_enabled(),
+        "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled(),
+        "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
+        "torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "torch.backends.cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "torch.backends.cudnn.deterministic": torch.backends.cudnn.deterministic,
+    }
+
+
+def torch_snapshot() -> dict[str, Any] | None:
+    """Every public callable of the watched torch namespaces, and the global flags (as
+    ``"flag:<name>"``); None when torch is not imported (then nothing can have patched it)."""
+    if "torch" not in sys.modules:
+        return None
+    snap: dict[str, Any] = {}
+    for prefix, ns in _namespaces().items():
+        for name, value in vars(ns).items():
+            if not name.startswith("_") and callable(value):
+                snap[f"{prefix}.{name}"] = value
+    snap.update({f"flag:{k}": v for k, v in _flags().items()})
+    return snap
+
+
+def _torch_own(value: Any) -> bool:
+    """Whether ``value``'s code lives in torch's own package: torch wraps some of its functions
+    when a submodule is first imported (``torch._dynamo`` wraps ``torch.manual_seed``), which is
+    not a plugin patching torch."""
+    import torch
+
+    code = getattr(getattr(value, "__func__", value), "__code__", None)
+    root = os.path.dirname(torch.__file__) + os.sep
+    return code is not None and os.path.abspath(code.co_filename).startswith(root)
+
+
+def patched(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[str]:
+    """The names whose value was replaced (not by torch itself) or deleted between two
+    snapshots; a flag as ``"name: old -> new"``."""
+    if before is None or after is None:
+        return []
+    out = []
+    for name, old in before.items():
+        new = after.get(name, "<deleted>")
+        if name.startswith("flag:"):
+            if new != old:
+                out.append(f"{name[5:]}: {old} -> {new}")
+        elif new is not old and not _torch_own(new):
+            out.append(name)
+    return out
+
+
+@contextlib.contextmanager
+def patch_watch(record: Any, when: str) -> Iterator[None]:
+    """Record on ``record.patches`` every torch global the code in the block replaced, as
+    ``"<name> (<when>)"``. Reporting only: nothing is undone or refused."""
+    before = torch_snapshot()
+    try:
+        yield
+    finally:
+        found = patched(before, torch_snapshot())
+        if found and hasattr(record, "patches"):
+            record.patches.extend(f"{name} ({when})" for name in found
+                                  if f"{name} ({when})" not in record.patches)
