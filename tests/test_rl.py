@@ -162,7 +162,7 @@ def test_nan_reward_skips_the_group_with_a_warning(ckpts, cpu):
 
 
 def test_group_size_and_method_errors(ckpts, cpu):
-    with pytest.raises(FlowseamError, match="group_size=1 must be an integer >= 2"):
+    with pytest.raises(FlowseamError, match="group_size=1: Input should be greater than or equal to 2"):
         _grpo(ckpts, cpu, group_size=1)
     with pytest.raises(FlowseamError, match=r"unknown training method 'ppo'.*finetune.*flowgrpo.*workflow_rl"):
         get_method("ppo")
@@ -224,7 +224,7 @@ def test_resume_is_bit_identical_and_a_crashed_save_keeps_the_previous(ckpts, cp
     def crash(*a, **k):
         raise OSError("power cut")
 
-    monkeypatch.setattr(ck, "save_file", crash)
+    monkeypatch.setattr(ck, "safetensors_bytes", crash)
     crashed = _grpo(ckpts, cpu, steps=6, checkpoint_every=2, output_dir=str(tmp_path / "b"))
     with pytest.raises(OSError, match="power cut"):
         crashed.run(progress=False)
@@ -232,7 +232,7 @@ def test_resume_is_bit_identical_and_a_crashed_save_keeps_the_previous(ckpts, cp
     assert latest.name == "step-000004"
     assert not [p for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.startswith(".step")]
     monkeypatch.undo()
-    again = _grpo(ckpts, cpu, steps=4, output_dir=str(tmp_path / "b"))
+    again = _grpo(ckpts, cpu, steps=4, checkpoint_every=2, output_dir=str(tmp_path / "b"))
     again.run(progress=False)  # resumes at step 4: nothing to do, weights as saved
     assert all(torch.equal(a[n], p) for n, p in again.stage.policy.named_parameters())
 

@@ -184,14 +184,15 @@ def check_loading_info(spec: ComponentSpec, folder: Path, info: dict[str, Any]) 
     :raises CheckpointError: naming the tensors (the first few of each list, and how many).
     """
     problems = []
-    for key, what in (("missing_keys", "in the model but not in the weights (they would stay "
-                                        "randomly initialised)"),
-                      ("unexpected_keys", "in the weights but not in the model (the config "
-                                          "builds a smaller model than the checkpoint)")):
+    for key, what in (("missing_keys", "missing tensor(s), in the model but not in the weights "
+                                        "(they would stay randomly initialised)"),
+                      ("unexpected_keys", "unexpected tensor(s), in the weights but not in the "
+                                          "model (the config builds a smaller model than the "
+                                          "checkpoint)")):
         names = sorted(info.get(key) or ())
         if names:
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            problems.append(f"{len(names)} tensor(s) {what}: {shown}")
+            problems.append(f"{len(names)} {what}: {shown}")
     mismatched = sorted(info.get("mismatched_keys") or ())
     if mismatched:
         problems.append("shape mismatches: " + ", ".join(

@@ -99,6 +99,10 @@ class Platform:
     @staticmethod
     def _find(reg: PluginRegistry, name: str) -> PluginRecord:
         rec = reg.records.get(name)
+        if rec is not None and not rec.usable:
+            raise BackendUnavailableError(
+                f"flowseam backend {name!r} is {rec.status}: {rec.reason}\nbackends:\n"
+                f"{_describe_backends(reg)}")
         if rec is None or rec.backend is None:
             by_device = [r for r in reg.backends() if r.device == name and r.usable]
             if by_device:

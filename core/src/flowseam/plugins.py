@@ -318,6 +318,7 @@ def scan() -> PluginRegistry:
     """Scan the entry-point group and load every plugin (uncached). Honors the environment."""
     global DISCOVERY_SCANS
     DISCOVERY_SCANS += 1
+    plugin_timeout()  # a bad FLOWSEAM_PLUGIN_TIMEOUT is an error before any plugin loads
     allow = _env_list("FLOWSEAM_PLUGINS")
     block = _env_list("FLOWSEAM_DISABLE_PLUGINS") or set()
     reg = PluginRegistry()

@@ -99,7 +99,9 @@ def check_memory(params: DiffusionParams, batch: int = 1) -> None:
     """
     need, have = memory_bytes(params, batch), physical_memory()
     if have is not None and need > have:
-        field = "num_steps" if (params.num_steps or 0) * 24 > need // 2 else "height"
+        frames, side = params.num_frames or 1, max(params.height or 1, params.width or 1)
+        field = ("num_steps" if (params.num_steps or 0) * 24 > need // 2
+                 else "num_frames" if frames > side else "height")
         raise InvalidParameterError(
             field, f"this request (batch {batch}, {params.num_frames or 1} frame(s) of "
             f"{params.height}x{params.width}, {params.num_steps} steps) needs at least "

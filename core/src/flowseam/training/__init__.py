@@ -46,7 +46,7 @@ def _resolve(attr: str, what: str, name: str) -> Any:
             if rec.name == plugin:
                 return obj
     if name not in claims:
-        raise FlowseamError(f"unknown {what} {name!r}; registered {what}s: {sorted(_registered(attr))}")
+        raise FlowseamError(f"unknown {what} {name!r}; registered {attr}: {sorted(_registered(attr))}")
     if len(claims[name]) > 1:
         who = ", ".join(f"{rec.name!r} ({rec.distribution} {rec.version})" for rec, _ in claims[name])
         first = claims[name][0][0].name

@@ -15,12 +15,19 @@ import torch
 from ..errors import FlowseamError
 from ..models.base import ModelInstance
 from .distributed import DataParallel, state_checksum
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .metrics import MetricsWriter, read_metrics
+from .checkpoint import clean_temporaries, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import LoraSection, OptimSection
+from .guards import check_finite_weights
+from .metrics import MetricsWriter, read_metrics, rewrite_metrics
+from .rundir import RunLock, check_config, record_config
 from .weight_sync import WeightRole, WeightSyncPlan
 
-OPTIM_DEFAULTS = dict(lr=1e-4, weight_decay=1e-4, beta1=0.9, beta2=0.999, adam_eps=1e-8)
-LORA_DEFAULTS = dict(rank=0, alpha=None, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+
+
+#: ``[optim]``'s and ``[lora]``'s defaults, from their schemas (for a method that merges tables by
+#: hand, as ``joint_multi_rl`` does)
+OPTIM_DEFAULTS = OptimSection().model_dump()
+LORA_DEFAULTS = LoraSection().model_dump()
 
 
 def derive_seed(base: int, *keys: int) -> int:
@@ -105,10 +112,16 @@ def _add_lora(module: torch.nn.Module, lora: dict[str, Any]) -> None:
 
 @dataclass
 class RunFiles:
-    """Where a run writes: ``metrics.jsonl`` and ``checkpoints/`` under ``output_dir``.
+    """Where a run writes: ``metrics.jsonl``, ``checkpoints/`` and ``run.json`` under
+    ``output_dir``, which one run at a time holds (:mod:`.rundir`).
 
-    :param dp: the run's ranks: rank 0 alone writes; every rank reads the checkpoint it resumes
-        from (under FSDP2 each rank then keeps its shard of it).
+    Constructed before any model loads: it refuses now an ``output_dir`` that another run holds,
+    or that was started with another config (differing keys listed; only ``steps`` may change).
+
+    :param dp: the run's ranks: rank 0 alone writes (and holds the lock); every rank reads the
+        checkpoint it resumes from (under FSDP2 each rank then keeps its shard of it).
+    :param method: the training method's name, and ``config`` its validated config (recorded in
+        ``run.json``; a resume must match it).
     """
 
     output_dir: Path | None
@@ -116,14 +129,36 @@ class RunFiles:
     metrics: MetricsWriter | None = None
     timings: dict[str, float] = field(default_factory=dict)
     dp: DataParallel = field(default_factory=DataParallel.single)
+    method: str = ""
+    config: dict[str, Any] | None = None
+    lock: RunLock | None = None
+
+    def __post_init__(self) -> None:
+        if self.output_dir is None or not self.dp.is_main:
+            return
+        self.output_dir = Path(self.output_dir)
+        RunLock(self.output_dir).check_free()
+        if self.config is not None:
+            check_config(self.output_dir, self.method, self.config)
+
+    def begin(self) -> None:
+        """Take the lock (held until :meth:`close`), record the config, and remove what an
+        interrupted checkpoint save left behind."""
+        if self.output_dir is None or not self.dp.is_main:
+            return
+        self.lock = RunLock(self.output_dir).acquire()
+        if self.config is not None:
+            check_config(self.output_dir, self.method, self.config)
+            record_config(self.output_dir, self.method, self.config)
+        if self.checkpoint_dir is not None and self.checkpoint_dir.is_dir():
+            clean_temporaries(self.checkpoint_dir)
 
     def open(self, resumed_step: int) -> None:
         if self.output_dir is None or not self.dp.is_main:
             return
         path = self.output_dir / "metrics.jsonl"
         if resumed_step and path.is_file():  # drop lines past the checkpoint we resume from
-            keep = [r for r in read_metrics(path) if r.get("step", 0) <= resumed_step]
-            path.write_text("".join(__import__("json").dumps(r) + "\n" for r in keep))
+            rewrite_metrics(path, [r for r in read_metrics(path) if r.get("step", 0) <= resumed_step])
         self.metrics = MetricsWriter(path, append=bool(resumed_step))
 
     @property
@@ -149,11 +184,16 @@ class RunFiles:
         return state
 
     def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any]) -> Path | None:
+        """Write checkpoint ``step`` if it is due; never with non-finite weights.
+
+        :raises NonFiniteTrainingError: if a trainable weight is NaN or infinite (nothing written).
+        """
         if not self.checkpoint_every or self.checkpoint_dir is None or step % self.checkpoint_every:
             return None
         modules, optimizers = self.dp.checkpoint_views(stages, gather=True)  # every rank
         if not self.dp.is_main:
             return None
+        check_finite_weights(modules, f"checkpoint at step {step}")
         return save_checkpoint(
             self.checkpoint_dir, step, modules, optimizers,
             {"sync_versions": {s.name: s.sync.version for s in stages},
@@ -167,6 +207,9 @@ class RunFiles:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 class Timer:
@@ -192,20 +235,22 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
     """The outer loop every method shares: resume from ``method.files``' latest checkpoint, then
     call ``method.train_step()`` until ``method.config["steps"]``, with a progress bar showing
     ``postfix`` from each record when ``method.progress`` is set."""
-    state = method.files.resume(stages)
-    if state is not None:
-        method.step = state["step"]
-        method.skipped_groups = state.get("skipped_groups", 0)
-    method.files.open(method.step)
     dp = getattr(method, "dp", None) or DataParallel.single()
     records: list[dict[str, Any]] = []
     bar = None
-    if method.progress and dp.is_main:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=method.config["steps"], initial=method.step, desc=desc, unit="step")
     try:
+        method.files.begin()  # the output_dir's lock, held until files.close()
+        state = method.files.resume(stages)
+        if state is not None:
+            method.step = state["step"]
+            method.skipped_groups = state.get("skipped_groups", 0)
+        method.files.open(method.step)
+        if method.progress and dp.is_main:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=method.config["steps"], initial=method.step, desc=desc, unit="step")
         while method.step < method.config["steps"]:
             records.append(method.train_step())
+            check_finite_weights({s.name: s.policy for s in stages}, f"{desc} step {method.step}")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix({postfix: f"{records[-1][postfix]:.4f}"})

@@ -1,10 +1,34 @@
-"""Training configs: TOML (stdlib ``tomllib``) or YAML (PyYAML) files, or plain dicts."""
+"""Training configs: TOML (stdlib ``tomllib``) or YAML (PyYAML) files, or plain dicts, typed and
+range-checked by one schema mechanism that every training method uses (third-party ones too).
+
+A method declares its config as a :class:`ConfigSection` (a pydantic model: strict types, unknown
+keys refused) whose fields are numbers with bounds, strings, lists and nested sections::
+
+    from flowseam.training.config import ConfigSection, PositiveFloat, PositiveInt, validate_config
+
+    class MyOptim(ConfigSection):
+        lr: PositiveFloat = 1e-4
+
+    class MyConfig(ConfigSection):
+        steps: PositiveInt = 10
+        optim: MyOptim = MyOptim()
+
+    config = validate_config(MyConfig, {"steps": 5, "optim": {"lr": 3e-4}})  # a plain dict
+
+Strict means what the file says is what runs: ``steps = 1.5`` is not rounded, ``prompts = "a
+ball"`` is not a list of characters, ``lr = "1e-4"`` (YAML 1.1 reads that as a string) is not a
+number, ``lr = inf`` is not finite. Every error names the section and key, the value and what
+is allowed, before any model loads.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Mapping
+
+import pydantic
+from pydantic import BeforeValidator, ConfigDict, Field
 
 from ..errors import FlowseamError
 
@@ -54,3 +78,148 @@ def section(config: dict[str, Any], name: str, defaults: dict[str, Any]) -> dict
     if unknown:
         raise FlowseamError(f"config [{name}] has unknown key(s) {unknown}; allowed: {sorted(defaults)}")
     return {**defaults, **given}
+
+
+def check_top(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``config`` over ``defaults``; unknown top-level keys raise. Untyped, like :func:`section`:
+    for a method whose config is not a :class:`ConfigSection` yet (``joint_multi_rl``); a new
+    method declares a schema instead.
+
+    :raises FlowseamError: naming the unknown keys and the allowed ones.
+    """
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise FlowseamError(f"config has unknown key(s) {unknown}; allowed: {sorted(defaults)}")
+    return {**defaults, **config}
+
+
+# -- the schema mechanism -------------------------------------------------------------------------
+
+class ConfigSection(pydantic.BaseModel):
+    """A typed config section: strict types (no str → number, float → int or str → list
+    coercion), unknown keys refused, defaults validated. Subclass it for a method's config and
+    its sections; nest sections as fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+
+def tuple_to_list(value: Any) -> Any:
+    """A ``BeforeValidator`` for list fields: a tuple (Python callers) is taken as a list."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+#: A finite float > 0 (an int is accepted).
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: A finite float >= 0.
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+#: A finite float in [0, 1].
+UnitFloat = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+#: A finite float in [0, 1) (Adam's betas).
+Beta = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+#: An int >= 1 (a bool is not an int here).
+PositiveInt = Annotated[int, Field(ge=1)]
+#: An int >= 0.
+NonNegativeInt = Annotated[int, Field(ge=0)]
+#: A non-empty string.
+Name = Annotated[str, Field(min_length=1)]
+#: A non-empty list of non-empty strings (a tuple is accepted; a bare string is not).
+Names = Annotated[list[Name], Field(min_length=1), BeforeValidator(tuple_to_list)]
+#: ``[start, end)`` step indices with ``0 <= start < end``.
+StepWindow = Annotated[list[NonNegativeInt], Field(min_length=2, max_length=2),
+                       BeforeValidator(tuple_to_list)]
+
+
+class OptimSection(ConfigSection):
+    """``[optim]``: AdamW's hyper-parameters (``torch.optim.AdamW``)."""
+
+    lr: PositiveFloat = 1e-4
+    weight_decay: NonNegativeFloat = 1e-4
+    beta1: Beta = 0.9
+    beta2: Beta = 0.999
+    adam_eps: PositiveFloat = 1e-8
+
+
+class OptimOverrides(ConfigSection):
+    """A per-stage ``[<stage>_optim]`` over ``[optim]``: only the keys given replace it."""
+
+    lr: PositiveFloat | None = None
+    weight_decay: NonNegativeFloat | None = None
+    beta1: Beta | None = None
+    beta2: Beta | None = None
+    adam_eps: PositiveFloat | None = None
+
+
+class LoraSection(ConfigSection):
+    """``[lora]``: peft LoRA adapters on the DiT; ``rank = 0`` trains every weight instead."""
+
+    rank: NonNegativeInt = 0
+    alpha: PositiveFloat | None = None
+    target_modules: Names = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+class RunConfig(ConfigSection):
+    """The keys every training method's config has: how long, from which seed, where to write
+    (``metrics.jsonl``, ``checkpoints/``, ``run.json``), how often to checkpoint (0: never)."""
+
+    steps: PositiveInt = 10
+    seed: NonNegativeInt = 0
+    output_dir: Name | None = None
+    checkpoint_every: NonNegativeInt = 0
+
+
+def merge_overrides(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with every non-None value of ``overrides`` (a validated :class:`OptimOverrides`)."""
+    return {**base, **{k: v for k, v in overrides.items() if v is not None}}
+
+
+def validate_config(schema: type[ConfigSection], config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``config`` checked against ``schema``, with every default filled in, as plain dicts.
+
+    :raises FlowseamError: one message listing every problem, each naming the section and key,
+        the value given and what is allowed; unknown keys are listed with the allowed ones.
+    """
+    if config is not None and not isinstance(config, Mapping):
+        raise FlowseamError(f"config must be a table/mapping, got {type(config).__name__}")
+    try:
+        return schema.model_validate(dict(config or {})).model_dump()
+    except pydantic.ValidationError as exc:
+        raise FlowseamError(describe_errors(schema, exc)) from None
+
+
+def _section_fields(schema: type[pydantic.BaseModel], path: tuple) -> list[str]:
+    model: Any = schema
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, pydantic.BaseModel)):
+            return []
+        model = ann
+    return sorted(model.model_fields)
+
+
+def describe_errors(schema: type[ConfigSection], exc: pydantic.ValidationError) -> str:
+    """pydantic's errors as one line each: ``config [grpo] max_grad_norm=-1: Input should be
+    greater than 0``; unknown keys as ``config [grpo] has unknown key(s) ['clip']; allowed:
+    [...]``."""
+    unknown: dict[tuple, list[str]] = {}
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":
+            unknown.setdefault(loc[:-1], []).append(str(loc[-1]))
+            continue
+        sections = []
+        for part in loc[:-1]:
+            if _section_fields(schema, (*sections, part)):
+                sections.append(part)
+            else:
+                break
+        where = "".join(f"[{p}] " for p in sections)
+        key = ".".join(str(p) for p in loc[len(sections):])
+        given = f"={err['input']!r}" if err["type"] != "missing" else ""
+        lines.append(f"config {where}{key}{given}: {err['msg']}")
+    for sec, keys in unknown.items():
+        where = f"[{'.'.join(map(str, sec))}] " if sec else ""
+        lines.insert(0, f"config {where}has unknown key(s) {sorted(keys)}; allowed: "
+                        f"{_section_fields(schema, sec)}")
+    return "; ".join(lines)

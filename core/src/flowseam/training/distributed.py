@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from ..errors import FlowseamError
+from .config import ConfigSection, validate_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..platform import Platform
@@ -355,7 +356,11 @@ class _WholeOptimizerState:
 
 
 #: the ``[distributed]`` config table every method accepts
-DISTRIBUTED_DEFAULTS = dict(fsdp=False)
+class DistributedSection(ConfigSection):
+    """The ``[distributed]`` table of every method: ``fsdp = true`` shards the trainer (FSDP2)
+    instead of replicating it (DDP)."""
+
+    fsdp: bool = False
 
 
 def data_parallel(config: dict[str, Any]) -> DataParallel:
@@ -364,9 +369,7 @@ def data_parallel(config: dict[str, Any]) -> DataParallel:
 
     :raises FlowseamError: for unknown keys, or ``fsdp`` on one process.
     """
-    from .config import section
-
-    return DataParallel.from_env(**section(config, "distributed", DISTRIBUTED_DEFAULTS))
+    return DataParallel.from_env(**validate_config(DistributedSection, config.get("distributed")))
 
 
 def full_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
@@ -50,19 +50,57 @@ from ..loading import load
 from ..models.base import Conditioning, ModelInstance
 from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
-from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, run_training,
-                     save_model)
-from .config import section
-from .distributed import DataParallel, data_parallel, whole
-from .flowgrpo import check_top
+from .common import RunFiles, Stage, Timer, derive_seed, run_training, save_model
+from .config import (
+    ConfigSection,
+    LoraSection,
+    Name,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OptimSection,
+    PositiveFloat,
+    PositiveInt,
+    RunConfig,
+    UnitFloat,
+    validate_config,
+)
+from .distributed import DataParallel, DistributedSection, data_parallel
+from .guards import clip_gradients
 
-TOP_DEFAULTS = dict(model=None, backend=None, data=None, steps=100, batch_size=4, seed=0,
-                    output_dir=None, checkpoint_every=0, sampling={}, train={}, optim={}, lora={},
-                    distributed={})
-TRAIN_DEFAULTS = dict(p_uncond=0.1, sigma_sampling="logit_normal", max_grad_norm=1.0,
-                      lr_schedule="constant", warmup_steps=0)
-SAMPLING_DEFAULTS = dict(height=None, width=None, num_frames=None, guidance_scale=None,
-                         max_sequence_length=None)
+
+class TrainSection(ConfigSection):
+    """``[train]``: the flow-matching loss and its optimisation."""
+
+    p_uncond: UnitFloat = 0.1
+    sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    max_grad_norm: PositiveFloat = 1.0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: NonNegativeInt = 0
+
+
+class FinetuneSampling(ConfigSection):
+    """``[sampling]``: the size data is encoded at (None: the data's own) and Flux's guidance."""
+
+    height: PositiveInt | None = None
+    width: PositiveInt | None = None
+    num_frames: PositiveInt | None = None
+    guidance_scale: NonNegativeFloat | None = None
+    max_sequence_length: PositiveInt | None = None
+
+
+class FinetuneConfig(RunConfig):
+    """The ``finetune`` config (module docstring)."""
+
+    model: Name | None = None
+    backend: Name | None = None
+    data: Name | None = None
+    steps: PositiveInt = 100
+    batch_size: PositiveInt = 4
+    sampling: FinetuneSampling = FinetuneSampling()
+    train: TrainSection = TrainSection()
+    optim: OptimSection = OptimSection()
+    lora: LoraSection = LoraSection()
+    distributed: DistributedSection = DistributedSection()
 
 
 def read_dataset(path: str | Path) -> list[tuple[str, np.ndarray]]:
@@ -71,6 +109,8 @@ def read_dataset(path: str | Path) -> list[tuple[str, np.ndarray]]:
     :raises FlowseamError: naming the file and line of a bad record or a missing media file.
     """
     import imageio.v3 as iio
+
+    from ..media import read_image
 
     path = Path(path)
     if not path.is_file():
@@ -85,14 +125,29 @@ def read_dataset(path: str | Path) -> list[tuple[str, np.ndarray]]:
             media = path.parent / (rec.get("image") or rec["video"])
         except (ValueError, KeyError, TypeError) as exc:
             raise FlowseamError(f"{path}:{n}: need {{'prompt', 'image' or 'video'}}: {exc}") from exc
+        if not isinstance(prompt, str):
+            raise FlowseamError(f"{path}:{n}: prompt={prompt!r} must be a string")
         if not media.is_file():
             raise FlowseamError(f"{path}:{n}: media file {media} does not exist")
-        data = np.load(media) if media.suffix == ".npy" else iio.imread(media)
+        try:
+            if media.suffix.lower() == ".npy":
+                data = np.load(media, allow_pickle=False)  # never unpickle a data file
+            elif media.suffix.lower() in (".gif", ".mp4"):
+                data = iio.imread(media)
+            else:  # images: every mode converted correctly, bad files refused (flowseam.media)
+                data = np.asarray(read_image(media))
+        except (ValueError, OSError) as exc:
+            raise FlowseamError(f"{path}:{n}: cannot read {media}: {exc}") from exc
         data = np.asarray(data)
         if data.dtype == np.uint8:
             data = data.astype(np.float32) / 255.0
         if data.ndim == 3:
             data = data[None]
+        if data.ndim != 4 or data.shape[-1] < 3 or not np.issubdtype(data.dtype, np.floating):
+            raise FlowseamError(f"{path}:{n}: {media} holds {data.dtype} data of shape {data.shape}; "
+                                "expected (F, H, W, 3) or (H, W, 3), uint8 or float in [0, 1]")
+        if not np.isfinite(data).all() or data.min() < 0 or data.max() > 1:
+            raise FlowseamError(f"{path}:{n}: {media} has values outside [0, 1] or non-finite ones")
         out.append((prompt, data.astype(np.float32)[..., :3]))
     if not out:
         raise FlowseamError(f"dataset {path} is empty")
@@ -130,17 +185,15 @@ class Finetune:
 
     def __init__(self, config: dict[str, Any], model: ModelInstance | None = None,
                  dataset: Sequence[tuple[str, np.ndarray]] | None = None) -> None:
-        self.config = cfg = check_top(config, TOP_DEFAULTS)
-        self.train_cfg = section(cfg, "train", TRAIN_DEFAULTS)
-        if self.train_cfg["sigma_sampling"] not in ("logit_normal", "uniform"):
-            raise FlowseamError(f"sigma_sampling={self.train_cfg['sigma_sampling']!r}; allowed: "
-                                "'logit_normal', 'uniform'")
-        if self.train_cfg["lr_schedule"] not in ("constant", "cosine"):
-            raise FlowseamError(f"lr_schedule={self.train_cfg['lr_schedule']!r}; allowed: "
-                                "'constant', 'cosine'")
-        self.sampling = section(cfg, "sampling", SAMPLING_DEFAULTS)
+        # the config, the data and the output_dir are checked before the model loads
+        self.config = cfg = validate_config(FinetuneConfig, config)
+        self.train_cfg, self.sampling, self.optim = cfg["train"], cfg["sampling"], cfg["optim"]
         self.dp = data_parallel(cfg)
         self.check_world_size(cfg, self.dp.world_size)
+        self.dataset = list(dataset) if dataset is not None else read_dataset(cfg["data"] or "")
+        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
+                              cfg["checkpoint_every"], dp=self.dp, method=self.name,
+                              config=cfg)
         if model is None:
             if not cfg["model"]:
                 raise FlowseamError("config needs model = <checkpoint directory>")
@@ -151,23 +204,19 @@ class Finetune:
                                 f"{model.card.name} runs the {model.card.loops[0]} loop, which it "
                                 "does not implement (train causal checkpoints with flowgrpo)")
         self.model = model
-        self.dataset = list(dataset) if dataset is not None else read_dataset(cfg["data"] or "")
-        if cfg["batch_size"] < 1:
-            raise FlowseamError(f"batch_size={cfg['batch_size']} must be >= 1")
-        self.optim = section(cfg, "optim", OPTIM_DEFAULTS)
-        self.stage = Stage.create("dit", model, self.optim, section(cfg, "lora", LORA_DEFAULTS),
-                                  with_reference=False, dp=self.dp)
-        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"], dp=self.dp)
+        self.stage = Stage.create("dit", model, self.optim, cfg["lora"], with_reference=False,
+                                  dp=self.dp)
         self.step = 0
         self.progress = True
         self.examples: list[Example] | None = None  # filled by prepare()
 
     @staticmethod
     def check_world_size(config: dict[str, Any], world_size: int) -> None:
-        """:raises FlowseamError: if ``batch_size`` does not split evenly over ``world_size``
-        ranks (checked by ``flowseam train --nproc`` before the ranks start)."""
-        DataParallel(world_size=world_size).shard_rows(config.get("batch_size", TOP_DEFAULTS["batch_size"]))
+        """:raises FlowseamError: for an invalid config, or if ``batch_size`` does not split
+        evenly over ``world_size`` ranks (checked by ``flowseam train --nproc`` before the ranks
+        start)."""
+        cfg = validate_config(FinetuneConfig, config)
+        DataParallel(world_size=world_size).shard_rows(cfg["batch_size"])
 
     # -- encoding, once per example --------------------------------------------------------------
     def _params(self, frames: np.ndarray) -> DiffusionParams:
@@ -309,13 +358,13 @@ class Finetune:
                     loss.backward()
                 total += float(loss.detach()) / self.dp.world_size
             total = self.dp.sum(total)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.stage.policy.parameters() if p.requires_grad], self.train_cfg["max_grad_norm"])
+            grad_norm = clip_gradients([p for p in self.stage.policy.parameters() if p.requires_grad],
+                                       self.train_cfg["max_grad_norm"], f"finetune step {self.step + 1}")
             self.stage.optimizer.step()
         with timer("sync"):
             self.stage.sync.sync()
         self.step += 1
-        record = {"step": self.step, "loss": total, "grad_norm": float(whole(grad_norm)), "lr": lr,
+        record = {"step": self.step, "loss": total, "grad_norm": grad_norm, "lr": lr,
                   "weights_version": self.stage.sync.version,
                   **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
         self.files.write(record)

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from ..errors import FlowseamError
+from .config import ConfigSection, Name, NonNegativeFloat, NonNegativeInt
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..loops import LoopResult
@@ -349,9 +350,18 @@ class RolloutFleet:
         self.workers, self.reward_workers = [], []
 
 
-#: the ``[ray]`` config table of the methods that can roll out on a fleet
-RAY_DEFAULTS = dict(rollout_workers=0, reward_workers=0, address=None, num_cpus=1, num_gpus=0,
-                    placement="PACK", reward_num_cpus=0, reward_num_gpus=0)
+class RaySection(ConfigSection):
+    """The ``[ray]`` config table of the methods that can roll out on a fleet (see
+    :class:`RolloutFleet` for each key; ``rollout_workers = 0``: no fleet)."""
+
+    rollout_workers: NonNegativeInt = 0
+    reward_workers: NonNegativeInt = 0
+    address: Name | None = None
+    num_cpus: NonNegativeFloat = 1
+    num_gpus: NonNegativeFloat = 0
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    reward_num_cpus: NonNegativeFloat = 0
+    reward_num_gpus: NonNegativeFloat = 0
 
 
 def fleet_from_config(model: "ModelInstance", options: dict[str, Any], lora: dict[str, Any],

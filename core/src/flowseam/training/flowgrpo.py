@@ -51,7 +51,9 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field
 
 import torch
 
@@ -62,42 +64,81 @@ from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from . import get_reward
-from .common import (
-    LORA_DEFAULTS,
-    OPTIM_DEFAULTS,
-    RunFiles,
-    Stage,
-    Timer,
-    derive_seed,
-    require_group_size,
-    reward_summary,
-    run_training,
+from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training
+from .config import (
+    ConfigSection,
+    LoraSection,
+    Name,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OptimSection,
+    PositiveFloat,
+    PositiveInt,
+    StepWindow,
+    UnitFloat,
+    tuple_to_list,
+    validate_config,
 )
-from .config import section
-from .distributed import DataParallel, data_parallel
-from .fleet import RAY_DEFAULTS, fleet_from_config
-from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
+from .distributed import DataParallel, DistributedSection, data_parallel
+from .fleet import RaySection, fleet_from_config
+from .grpo import GroupRLConfig, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import reward_input, score
 
-TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness", reward_args={},
-                    group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
-                    checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={}, distributed={},
-                    ray={})
-SAMPLING_DEFAULTS = dict(num_steps=4, height=None, width=None, num_frames=None, guidance_scale=None,
-                         noise_level=0.7, sde_window=None, flow_shift=None, negative_prompt=None,
-                         max_sequence_length=None, chunk_frames=None, local_attn_size=None,
-                         sink_size=None, frame_rate=None, audio_guidance_scale=None, stages=None,
-                         refine_sigmas=None, refine_guidance_scale=None)
+
+class SamplingSection(ConfigSection):
+    """``[sampling]``: the rollouts' :class:`~flowseam.DiffusionParams` (None: the card's
+    default); also checked by ``DiffusionParams`` itself. ``chunk_frames``, ``local_attn_size``
+    and ``sink_size`` are for a causal checkpoint (the ``wan_causal`` loop); ``frame_rate`` to
+    ``refine_guidance_scale`` for LTX-2."""
+
+    num_steps: PositiveInt = 4
+    height: PositiveInt | None = None
+    width: PositiveInt | None = None
+    num_frames: PositiveInt | None = None
+    guidance_scale: NonNegativeFloat | None = None
+    noise_level: NonNegativeFloat = 0.7
+    sde_window: StepWindow | None = None
+    flow_shift: PositiveFloat | None = None
+    negative_prompt: str | None = None
+    max_sequence_length: PositiveInt | None = None
+    chunk_frames: PositiveInt | None = None
+    local_attn_size: PositiveInt | None = None
+    sink_size: NonNegativeInt | None = None
+    frame_rate: PositiveFloat | None = None
+    audio_guidance_scale: NonNegativeFloat | None = None
+    stages: Annotated[int, Field(ge=1, le=2)] | None = None
+    refine_sigmas: Annotated[list[UnitFloat], Field(min_length=1),
+                             BeforeValidator(tuple_to_list)] | None = None
+    refine_guidance_scale: NonNegativeFloat | None = None
 
 
-def check_top(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(config) - set(defaults))
-    if unknown:
-        raise FlowseamError(f"config has unknown key(s) {unknown}; allowed: {sorted(defaults)}")
-    return {**defaults, **config}
+#: ``[sampling]``'s defaults (for a method that merges tables by hand, as ``joint_multi_rl`` does)
+SAMPLING_DEFAULTS = SamplingSection().model_dump()
+
+
+class FlowGRPOConfig(GroupRLConfig):
+    """The ``flowgrpo`` config (module docstring)."""
+
+    model: Name | None = None
+    backend: Name | None = None
+    sampling: SamplingSection = SamplingSection()
+    grpo: GRPOConfig = GRPOConfig()
+    optim: OptimSection = OptimSection()
+    lora: LoraSection = LoraSection()
+    distributed: DistributedSection = DistributedSection()
+    ray: RaySection = RaySection()
+
+
+def require_prompts(cfg: dict[str, Any]) -> None:
+    if not cfg["prompts"]:
+        raise FlowseamError("config needs prompts = [\"...\", ...] (a non-empty list of strings)")
 
 
 def sampling_params(sampling: dict[str, Any]) -> DiffusionParams:
+    """The rollouts' params (SDE steps) from a validated ``[sampling]`` section.
+
+    :raises InvalidParameterError: for what ``DiffusionParams`` refuses (naming the field).
+    """
     return DiffusionParams(sde_rollout=True, **sampling)
 
 
@@ -119,26 +160,30 @@ class FlowGRPO:
 
     :param model: an already loaded instance (else ``config["model"]`` is loaded).
     :param reward: a reward callable (else ``config["reward"]`` is resolved among the plugins).
-    :raises FlowseamError: for an invalid config (unknown keys, group_size < 2, no prompts).
+    :raises FlowseamError: for an invalid config (:class:`FlowGRPOConfig`: unknown keys, wrong
+        types, values out of range, no prompts), an ``output_dir`` another run holds or that
+        was started with another config; all before the model loads.
     """
 
     name = "flowgrpo"
 
     def __init__(self, config: dict[str, Any], model: ModelInstance | None = None, reward=None) -> None:
-        self.config = cfg = check_top(config, TOP_DEFAULTS)
-        require_group_size(cfg["group_size"])
-        if not cfg["prompts"] or not all(isinstance(p, str) for p in cfg["prompts"]):
-            raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of strings")
-        self.sampling = check_sampling(section(cfg, "sampling", SAMPLING_DEFAULTS))
-        self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
-        optim = section(cfg, "optim", OPTIM_DEFAULTS)
-        lora = section(cfg, "lora", LORA_DEFAULTS)
+        # everything that can be checked is checked before a model loads
+        self.config = cfg = validate_config(FlowGRPOConfig, config)
+        require_prompts(cfg)
+        self.sampling = check_sampling(cfg["sampling"])
+        sampling_params(self.sampling)  # DiffusionParams' own checks
+        self.grpo = GRPOConfig(**cfg["grpo"])
+        optim, lora = cfg["optim"], cfg["lora"]
         self.dp = data_parallel(cfg)
         self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
-        ray_options = section(cfg, "ray", RAY_DEFAULTS)
+        ray_options = cfg["ray"]
         if ray_options["rollout_workers"] and self.dp.world_size > 1:
             raise FlowseamError("[ray] rollout_workers with several ranks is not implemented: one "
                                 "process drives a rollout fleet (drop --nproc, or the [ray] table)")
+        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
+                              cfg["checkpoint_every"], dp=self.dp, method=self.name,
+                              config=cfg)
         if model is None:
             if not cfg["model"]:
                 raise FlowseamError("config needs model = <checkpoint directory>")
@@ -152,8 +197,6 @@ class FlowGRPO:
         self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.stage = Stage.create("dit", model, optim, lora, with_reference=self.grpo.beta > 0,
                                   dp=self.dp)
-        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"], dp=self.dp)
         if ray_options["reward_workers"] and getattr(self.reward, "modality", "video") == "audio":
             raise FlowseamError("[ray] reward_workers score frames; an audio reward runs in the "
                                 "trainer (set reward_workers = 0)")
@@ -166,12 +209,15 @@ class FlowGRPO:
         self.last_stats = None
         self.skipped_groups = 0
 
-    @staticmethod
-    def check_world_size(config: dict[str, Any], world_size: int) -> None:
-        """:raises FlowseamError: if a step's samples do not split evenly over ``world_size``
-        ranks (checked by ``flowseam train --nproc`` before the ranks start)."""
-        G = config.get("prompts_per_step", TOP_DEFAULTS["prompts_per_step"])
-        DataParallel(world_size=world_size).shard_groups(G, config.get("group_size", TOP_DEFAULTS["group_size"]))
+    schema = FlowGRPOConfig
+
+    @classmethod
+    def check_world_size(cls, config: dict[str, Any], world_size: int) -> None:
+        """:raises FlowseamError: for an invalid config, or if a step's samples do not split
+        evenly over ``world_size`` ranks (checked by ``flowseam train --nproc`` before the ranks
+        start)."""
+        cfg = validate_config(cls.schema, config)
+        DataParallel(world_size=world_size).shard_groups(cfg["prompts_per_step"], cfg["group_size"])
 
     # -- one step ---------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[list[Trajectory], list, list[str], list | None]:

@@ -18,47 +18,62 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import torch
+from pydantic import Field
 
 from ..loops import LoopResult, record_velocity
 from ..models.base import ModelInstance
+from .config import (
+    ConfigSection,
+    Name,
+    Names,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    RunConfig,
+)
 from .distributed import DataParallel
+from .guards import clip_gradients
 
-GRPO_DEFAULTS = dict(clip_range=1e-4, adv_clip_max=5.0, beta=0.04, inner_epochs=1,
-                     timestep_fraction=1.0, max_grad_norm=1.0, eps=1e-4)
+class GRPOConfig(ConfigSection):
+    """Flow-GRPO hyper-parameters, the ``[grpo]`` config section (defaults: Flow-GRPO's SD3
+    config). Typed and range-checked (:mod:`flowseam.training.config`).
 
-
-@dataclass
-class GRPOConfig:
-    """Flow-GRPO hyper-parameters (defaults: Flow-GRPO's SD3 config).
-
-    :param clip_range: PPO ratio clip ε: ``clip(ratio, 1-ε, 1+ε)``.
-    :param adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]``.
-    :param beta: KL-to-reference coefficient (0 disables the reference).
-    :param inner_epochs: PPO epochs over each batch of rollouts.
+    :param clip_range: PPO ratio clip ε > 0: ``clip(ratio, 1-ε, 1+ε)``.
+    :param adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]``; > 0.
+    :param beta: KL-to-reference coefficient, >= 0 (0 disables the reference).
+    :param inner_epochs: PPO epochs over each batch of rollouts, >= 1.
     :param timestep_fraction: fraction of the SDE steps (all steps, or the rollout's
-        ``sde_window``) trained on (a random subset).
-    :param max_grad_norm: gradient clipping.
-    :param eps: added to the group std.
+        ``sde_window``) trained on (a random subset), in (0, 1].
+    :param max_grad_norm: gradient clipping (``clip_grad_norm_``), > 0.
+    :param eps: added to the group std, >= 0.
     """
 
-    clip_range: float = 1e-4
-    adv_clip_max: float = 5.0
-    beta: float = 0.04
-    inner_epochs: int = 1
-    timestep_fraction: float = 1.0
-    max_grad_norm: float = 1.0
-    eps: float = 1e-4
+    clip_range: PositiveFloat = 1e-4
+    adv_clip_max: PositiveFloat = 5.0
+    beta: NonNegativeFloat = 0.04
+    inner_epochs: PositiveInt = 1
+    timestep_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    max_grad_norm: PositiveFloat = 1.0
+    eps: NonNegativeFloat = 1e-4
 
-    def __post_init__(self) -> None:
-        if not 0.0 < self.timestep_fraction <= 1.0:
-            raise ValueError(f"timestep_fraction={self.timestep_fraction} must be in (0, 1]")
-        if self.inner_epochs < 1:
-            raise ValueError(f"inner_epochs={self.inner_epochs} must be >= 1")
-        if self.clip_range <= 0:
-            raise ValueError(f"clip_range={self.clip_range} must be > 0")
+
+#: ``[grpo]``'s defaults, from :class:`GRPOConfig`
+GRPO_DEFAULTS = GRPOConfig().model_dump()
+
+
+class GroupRLConfig(RunConfig):
+    """The keys of every Flow-GRPO-style method: ``prompts`` (cycled, ``prompts_per_step`` per
+    step), the ``reward`` plugin (with ``reward_args``), and ``group_size >= 2`` samples per
+    prompt (the advantage is relative to the other samples of the same prompt)."""
+
+    prompts: Names | None = None
+    reward: Name = "brightness"
+    reward_args: dict[str, Any] = {}
+    group_size: Annotated[int, Field(ge=2)] = 4
+    prompts_per_step: PositiveInt = 1
 
 
 def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -250,8 +265,8 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                     stats.first_epoch_ratios.append(detached)
                 stats.clipped.append(float(((detached - 1.0).abs() > cfg.clip_range).float().mean()))
                 stats.approx_kl.append(float(0.5 * (log_ratio.detach() ** 2).mean()))
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-        stats.grad_norms.append(float(getattr(grad_norm, "full_tensor", lambda: grad_norm)()))
+        stats.grad_norms.append(clip_gradients(trainable, cfg.max_grad_norm,
+                                               f"PPO update (epoch {epoch})"))
         optimizer.step()
         if after_step is not None:
             after_step()

@@ -72,9 +72,9 @@ from . import get_reward
 from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed,
                      require_group_size, reward_summary, run_training,
                      save_model, sync_updated)
-from .config import section
+from .config import check_top, section
 from .distributed import DataParallel
-from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling, check_top
+from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling
 from .grpo import GRPO_DEFAULTS, GRPOConfig, UpdateStats, group_advantages, ppo_update, train_timesteps
 from .rewards import score
 
@@ -190,7 +190,7 @@ class JointMultiRL(FlowGRPO):
                                     component=name)
                        for name, s in self.settings.items() if not s["freeze"]]
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"])
+                              cfg["checkpoint_every"], method=self.name, config=cfg)
         self.step = 0
         self.progress = True
         self.last_stats: dict[str, UpdateStats] = {}

@@ -11,50 +11,33 @@ over the sequences. ``π_old`` is the behaviour log-prob the rollout stored
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..errors import FlowseamError
 from ..refiner import PromptRefiner, RefinerRollout
+from .config import ConfigSection, NonNegativeFloat, PositiveFloat, PositiveInt
 from .grpo import UpdateStats
 
-LM_GRPO_DEFAULTS = dict(clip_range=0.2, adv_clip_max=5.0, beta=0.0, inner_epochs=1,
-                        max_grad_norm=1.0, eps=1e-4)
+class LMGRPOConfig(ConfigSection):
+    """GRPO hyper-parameters of the language model (the ``[lm_grpo]`` table), typed and
+    range-checked like every config section (:mod:`flowseam.training.config`).
 
-
-@dataclass
-class LMGRPOConfig:
-    """GRPO hyper-parameters of the language model (the ``[lm_grpo]`` table).
-
-    :param clip_range: PPO ratio clip ε (DeepSeekMath's 0.2).
-    :param adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]``.
-    :param beta: coefficient of the per-token KL to the frozen initial LM (0: no reference).
-    :param inner_epochs: PPO epochs (one optimizer step each) over each batch of rewrites.
-    :param max_grad_norm: gradient clipping.
-    :param eps: added to the group std of the advantages.
-    :raises FlowseamError: naming the bad field and what is allowed.
+    :param clip_range: PPO ratio clip ε > 0 (DeepSeekMath's 0.2).
+    :param adv_clip_max: advantages are clipped to ``[-adv_clip_max, adv_clip_max]``; > 0.
+    :param beta: coefficient of the per-token KL to the frozen initial LM, >= 0 (0: no reference).
+    :param inner_epochs: PPO epochs (one optimizer step each) over each batch of rewrites, >= 1.
+    :param max_grad_norm: gradient clipping, > 0.
+    :param eps: added to the group std of the advantages, > 0.
     """
 
-    clip_range: float = 0.2
-    adv_clip_max: float = 5.0
-    beta: float = 0.0
-    inner_epochs: int = 1
-    max_grad_norm: float = 1.0
-    eps: float = 1e-4
-
-    def __post_init__(self) -> None:
-        checks = (("clip_range", self.clip_range > 0, "must be > 0"),
-                  ("adv_clip_max", self.adv_clip_max > 0, "must be > 0"),
-                  ("beta", self.beta >= 0, "must be >= 0 (0: no KL to a reference)"),
-                  ("inner_epochs", isinstance(self.inner_epochs, int) and self.inner_epochs >= 1,
-                   "must be an integer >= 1"),
-                  ("max_grad_norm", self.max_grad_norm > 0, "must be > 0"),
-                  ("eps", self.eps > 0, "must be > 0"))
-        for name, ok, allowed in checks:
-            if not ok:
-                raise FlowseamError(f"[lm_grpo] {name}={getattr(self, name)!r} {allowed}")
+    clip_range: PositiveFloat = 0.2
+    adv_clip_max: PositiveFloat = 5.0
+    beta: NonNegativeFloat = 0.0
+    inner_epochs: PositiveInt = 1
+    max_grad_norm: PositiveFloat = 1.0
+    eps: PositiveFloat = 1e-4
 
 
 def lm_grpo_update(refiner: PromptRefiner, policy: torch.nn.Module, reference: torch.nn.Module | None,

@@ -65,9 +65,10 @@ import os
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field
 
 from ..errors import FlowseamError
 from ..hookspecs import hookimpl
@@ -78,32 +79,70 @@ from ..platform import Platform
 from ..refiner import PromptRefiner, RefinerSampling, check_template
 from ..request import GenerationRequest, TaskType
 from . import get_reward
-from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed, reward_summary,
-                     run_training, sync_updated)
-from .config import section
-from .flowgrpo import SAMPLING_DEFAULTS, check_top, sampling_params
-from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
-from .lm_grpo import LM_GRPO_DEFAULTS, LMGRPOConfig, lm_grpo_update
+from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
+from .config import (
+    ConfigSection,
+    LoraSection,
+    Name,
+    Names,
+    NonNegativeInt,
+    OptimOverrides,
+    OptimSection,
+    PositiveInt,
+    RunConfig,
+    merge_overrides,
+    validate_config,
+)
+from .flowgrpo import SamplingSection, check_sampling, require_prompts, sampling_params
+from .grpo import GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
+from .lm_grpo import LMGRPOConfig, lm_grpo_update
 from .rewards import score
 from .workflow_rl import workflow_rollout
 
-TOP_DEFAULTS = dict(lm_model=None, lm_template=None, model=None, t2i_model=None, i2v_model=None,
-                    backend=None, prompts=None, reward="brightness", reward_args={},
-                    prompts_per_step=1, rewrites=4, unrefined_rewrites=0, samples_per_rewrite=2,
-                    steps=10, seed=0, output_dir=None, checkpoint_every=0, sampling={},
-                    t2i_sampling={}, i2v_sampling={}, lm_sampling={}, grpo={}, optim={}, lora={},
-                    t2i_optim={}, i2v_optim={}, lm_grpo={}, lm_optim={})
 #: where a run's trained LM is saved, under ``output_dir``
 LM_DIR = "lm"
 
 
-def _count(cfg: dict[str, Any], key: str, low: int, why: str, high: int | None = None) -> int:
-    value = cfg[key]
-    if not isinstance(value, int) or isinstance(value, bool) or value < low \
-            or (high is not None and value > high):
-        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-        raise FlowseamError(f"{key}={value!r} must be {allowed}: {why}")
-    return value
+class LMSamplingOverrides(ConfigSection):
+    """``[lm_sampling]``: what replaces the LM directory's :class:`~flowseam.refiner.RefinerSampling`
+    (typed here; its ranges are checked by ``RefinerSampling`` itself)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int | None = None
+
+
+class UnifiedRLConfig(RunConfig):
+    """The ``unified_rl`` config (module docstring)."""
+
+    lm_model: Name | None = None
+    lm_template: str | None = None
+    model: Name | None = None
+    t2i_model: Name | None = None
+    i2v_model: Name | None = None
+    backend: Name | None = None
+    prompts: Names | None = None
+    reward: Name = "brightness"
+    reward_args: dict[str, Any] = {}
+    prompts_per_step: PositiveInt = 1
+    #: N >= 2: the LM's advantage is relative to the other rewrites of the same prompt
+    rewrites: Annotated[int, Field(ge=2)] = 4
+    #: of the N, how many keep the unrefined prompt (< N: at least one must be the LM's)
+    unrefined_rewrites: NonNegativeInt = 0
+    #: M >= 2: the generator's advantage is relative to the other samples of the same rewrite
+    samples_per_rewrite: Annotated[int, Field(ge=2)] = 2
+    sampling: SamplingSection = SamplingSection()
+    t2i_sampling: SamplingSection = SamplingSection()
+    i2v_sampling: SamplingSection = SamplingSection()
+    lm_sampling: LMSamplingOverrides = LMSamplingOverrides()
+    grpo: GRPOConfig = GRPOConfig()
+    optim: OptimSection = OptimSection()
+    lora: LoraSection = LoraSection()
+    t2i_optim: OptimOverrides = OptimOverrides()
+    i2v_optim: OptimOverrides = OptimOverrides()
+    lm_grpo: LMGRPOConfig = LMGRPOConfig()
+    lm_optim: OptimSection = OptimSection()
 
 
 class Generator:
@@ -156,18 +195,16 @@ class UnifiedRL:
     def __init__(self, config: dict[str, Any], refiner: PromptRefiner | None = None,
                  model: ModelInstance | None = None, t2i: ModelInstance | None = None,
                  i2v: ModelInstance | None = None, reward=None) -> None:
-        self.config = cfg = check_top(config, TOP_DEFAULTS)
+        # everything that can be checked is checked before a model loads
+        self.config = cfg = validate_config(UnifiedRLConfig, config)
         self.check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        if not cfg["prompts"] or not isinstance(cfg["prompts"], list) \
-                or not all(isinstance(p, str) and p.strip() for p in cfg["prompts"]):
-            raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of non-empty strings")
-        self.P = _count(cfg, "prompts_per_step", 1, "prompts per step")
-        self.N = _count(cfg, "rewrites", 2, "the LM's advantage is relative to the other "
-                        "rewrites of the same prompt")
-        self.U = _count(cfg, "unrefined_rewrites", 0, "how many of the rewrites keep the "
-                        "unrefined prompt; at least one must be the LM's", high=self.N - 1)
-        self.M = _count(cfg, "samples_per_rewrite", 2, "the generator's advantage is relative to "
-                        "the other samples of the same rewrite")
+        require_prompts(cfg)
+        self.P, self.N, self.M = cfg["prompts_per_step"], cfg["rewrites"], cfg["samples_per_rewrite"]
+        self.U = cfg["unrefined_rewrites"]
+        if self.U > self.N - 1:
+            raise FlowseamError(f"config unrefined_rewrites={self.U} must be an integer in [0, "
+                                f"{self.N - 1}]: how many of the rewrites keep the unrefined "
+                                "prompt; at least one must be the LM's")
         workflow = bool(cfg["t2i_model"] or cfg["i2v_model"] or t2i is not None or i2v is not None)
         single = bool(cfg["model"] or model is not None)
         if workflow == single:
@@ -175,28 +212,31 @@ class UnifiedRL:
                                 "text-to-video model) or t2i_model + i2v_model (the t2i-i2v "
                                 "workflow); the config gives " + ("both" if single else "neither"))
         unused = ("t2i_sampling", "i2v_sampling", "t2i_optim", "i2v_optim") if single else ("sampling",)
-        given = [k for k in unused if cfg[k]]
+        given = [k for k in unused if (config or {}).get(k)]
         if given:
             raise FlowseamError(f"config table(s) {given} do not apply to this generator: "
                                 + ("the per-stage tables are for the t2i-i2v workflow (t2i_model + "
                                    "i2v_model); use [sampling] and [optim]" if single else
                                    "the workflow takes [t2i_sampling] and [i2v_sampling]"))
-        self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
-        self.lm_grpo = LMGRPOConfig(**section(cfg, "lm_grpo", LM_GRPO_DEFAULTS))
-        optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
-        lm_optim = section(cfg, "lm_optim", OPTIM_DEFAULTS)
+        self.grpo = GRPOConfig(**cfg["grpo"])
+        self.lm_grpo = LMGRPOConfig(**cfg["lm_grpo"])
+        optim, lora, lm_optim = cfg["optim"], cfg["lora"], cfg["lm_optim"]
         if single:
-            sampling = {"dit": section(cfg, "sampling", SAMPLING_DEFAULTS)}
+            sampling = {"dit": check_sampling(cfg["sampling"])}
             optims = {"dit": optim}
         else:
-            sampling = {s: section(cfg, f"{s}_sampling", SAMPLING_DEFAULTS) for s in ("t2i", "i2v")}
-            optims = {s: section(cfg, f"{s}_optim", optim) for s in ("t2i", "i2v")}
+            sampling = {s: check_sampling(cfg[f"{s}_sampling"], f"{s}_sampling") for s in ("t2i", "i2v")}
+            optims = {s: merge_overrides(optim, cfg[f"{s}_optim"]) for s in ("t2i", "i2v")}
+        for table in sampling.values():
+            sampling_params(table)  # DiffusionParams' own checks
         if cfg["lm_template"] is not None:
             check_template(cfg["lm_template"])
-        RefinerSampling(**section(cfg, "lm_sampling", asdict(RefinerSampling())))  # check it now
+        RefinerSampling(**merge_overrides(asdict(RefinerSampling()), cfg["lm_sampling"]))  # now
         if refiner is None and not cfg["lm_model"]:
             raise FlowseamError("config needs lm_model = <directory of a transformers causal LM "
                                 "and its tokenizer, written with save_pretrained>")
+        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
+                              cfg["checkpoint_every"], method=self.name, config=cfg)
 
         # The models (after every check above).
         platform = None
@@ -218,17 +258,16 @@ class UnifiedRL:
         self.refiner = refiner or PromptRefiner.load(cfg["lm_model"], platform=platform)
         if cfg["lm_template"] is not None:
             self.refiner.template = cfg["lm_template"]
-        self.lm_sampling = RefinerSampling(**section(cfg, "lm_sampling", asdict(self.refiner.sampling)))
+        self.lm_sampling = RefinerSampling(**merge_overrides(asdict(self.refiner.sampling),
+                                                             cfg["lm_sampling"]))
         self.refiner.sampling = self.lm_sampling  # what the saved LM samples with
 
         self.generator = Generator(models, sampling, optims, lora, self.grpo)
-        self.lm_stage = Stage.create("lm", self.refiner, lm_optim, dict(LORA_DEFAULTS, rank=0),
+        self.lm_stage = Stage.create("lm", self.refiner, lm_optim, validate_config(LoraSection, {}),
                                      with_reference=self.lm_grpo.beta > 0,
                                      component=PromptRefiner.COMPONENT)
         self.stages = [self.lm_stage, *self.generator.stages]
         self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
-        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"])
         self.step = 0
         self.progress = True
         self.skipped_groups = 0

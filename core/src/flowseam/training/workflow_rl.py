@@ -52,28 +52,29 @@ from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import GenerationRequest, TaskType
 from . import get_reward
-from .common import (
-    LORA_DEFAULTS,
-    OPTIM_DEFAULTS,
-    RunFiles,
-    Stage,
-    Timer,
-    derive_seed,
-    require_group_size,
-    reward_summary,
-    run_training,
-    sync_updated,
-)
-from .config import section
-from .distributed import DataParallel, data_parallel
-from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling, check_top, sampling_params
-from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
+from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
+from .config import LoraSection, Name, OptimOverrides, OptimSection, merge_overrides, validate_config
+from .distributed import DataParallel, DistributedSection, data_parallel
+from .flowgrpo import FlowGRPO, SamplingSection, check_sampling, require_prompts, sampling_params
+from .grpo import GroupRLConfig, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import score
 
-TOP_DEFAULTS = dict(t2i_model=None, i2v_model=None, t2i_backend=None, i2v_backend=None, prompts=None,
-                    reward="brightness", reward_args={}, group_size=4, prompts_per_step=1, steps=10,
-                    seed=0, output_dir=None, checkpoint_every=0, t2i_sampling={}, i2v_sampling={},
-                    grpo={}, optim={}, t2i_optim={}, i2v_optim={}, lora={}, distributed={})
+
+class WorkflowRLConfig(GroupRLConfig):
+    """The ``workflow_rl`` config (module docstring)."""
+
+    t2i_model: Name | None = None
+    i2v_model: Name | None = None
+    t2i_backend: Name | None = None
+    i2v_backend: Name | None = None
+    t2i_sampling: SamplingSection = SamplingSection()
+    i2v_sampling: SamplingSection = SamplingSection()
+    grpo: GRPOConfig = GRPOConfig()
+    optim: OptimSection = OptimSection()
+    t2i_optim: OptimOverrides = OptimOverrides()
+    i2v_optim: OptimOverrides = OptimOverrides()
+    lora: LoraSection = LoraSection()
+    distributed: DistributedSection = DistributedSection()
 
 
 def _load(path: str | None, backend: str | None, what: str, dp: DataParallel) -> ModelInstance:
@@ -89,29 +90,28 @@ class WorkflowRL:
 
     def __init__(self, config: dict[str, Any], t2i: ModelInstance | None = None,
                  i2v: ModelInstance | None = None, reward=None) -> None:
-        self.config = cfg = check_top(config, TOP_DEFAULTS)
-        require_group_size(cfg["group_size"])
-        if not cfg["prompts"] or not all(isinstance(p, str) for p in cfg["prompts"]):
-            raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of strings")
+        # everything that can be checked is checked before a model loads
+        self.config = cfg = validate_config(WorkflowRLConfig, config)
+        require_prompts(cfg)
+        self.t2i_sampling = check_sampling(cfg["t2i_sampling"], "t2i_sampling")
+        self.i2v_sampling = check_sampling(cfg["i2v_sampling"], "i2v_sampling")
+        for sampling in (self.t2i_sampling, self.i2v_sampling):
+            sampling_params(sampling)  # DiffusionParams' own checks
+        self.grpo = GRPOConfig(**cfg["grpo"])
         self.dp = data_parallel(cfg)
         self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
+        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
+                              cfg["checkpoint_every"], dp=self.dp, method=self.name,
+                              config=cfg)
         self.t2i = t2i or _load(cfg["t2i_model"], cfg["t2i_backend"], "t2i", self.dp)
         self.i2v = i2v or _load(cfg["i2v_model"], cfg["i2v_backend"], "i2v", self.dp)
         if TaskType.T2I not in self.t2i.card.tasks or TaskType.I2V not in self.i2v.card.tasks:
             raise FlowseamError(f"workflow_rl needs a text-to-image then an image-to-video model; got "
                                 f"{self.t2i.card.name} and {self.i2v.card.name}")
-        self.t2i_sampling = check_sampling(section(cfg, "t2i_sampling", SAMPLING_DEFAULTS),
-                                           "t2i_sampling")
-        self.i2v_sampling = check_sampling(section(cfg, "i2v_sampling", SAMPLING_DEFAULTS),
-                                           "i2v_sampling")
-        self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
-        optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
-        self.stages = [Stage.create(name, model, section(cfg, f"{name}_optim", optim), lora,
-                                    with_reference=self.grpo.beta > 0, dp=self.dp)
+        self.stages = [Stage.create(name, model, merge_overrides(cfg["optim"], cfg[f"{name}_optim"]),
+                                    cfg["lora"], with_reference=self.grpo.beta > 0, dp=self.dp)
                        for name, model in (("t2i", self.t2i), ("i2v", self.i2v))]
         self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
-        self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
-                              cfg["checkpoint_every"], dp=self.dp)
         self.step = 0
         self.progress = True
         self.skipped_groups = 0
@@ -123,7 +123,8 @@ class WorkflowRL:
         return workflow_rollout(self.t2i, self.i2v, [prompt] * len(seeds), seeds,
                                 self.t2i_sampling, self.i2v_sampling, sde)
 
-    check_world_size = staticmethod(FlowGRPO.check_world_size)
+    schema = WorkflowRLConfig
+    check_world_size = classmethod(FlowGRPO.check_world_size.__func__)
 
     def train_step(self) -> dict[str, Any]:
         timer = Timer()
