@@ -42,6 +42,8 @@ setup(
         "imageio>=2.31",
         "imageio-ffmpeg>=0.5",
         "psutil>=5.9",
+        # typed, range-checked training configs (flowseam.training.config)
+        "pydantic>=2",
         # flowseam serve: the ASGI stack, multipart uploads, /metrics
         "fastapi>=0.110",
         "uvicorn>=0.29",

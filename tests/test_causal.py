@@ -193,7 +193,7 @@ def test_finetune_refuses_a_causal_checkpoint(model):
     from flowseam.training.finetune import Finetune
 
     with pytest.raises(flowseam.FlowseamError, match="runs the wan_causal loop"):
-        Finetune(dict(data=[{"prompt": "x", "video": "x.npy"}]), model=model)
+        Finetune(dict(data="x.jsonl"), model=model)
 
 
 def test_step_callback_counts_chunks_and_steps_and_cancels(model):

@@ -102,7 +102,7 @@ def check_tensor_like(value: Any, like: Any, what: str) -> str | None:
     return None
 
 
-def check_step(model: Any, index: int, kernel: Any, latents: Any, velocity: Any, out: Any,
+def check_step(model: Any, index: int | str, kernel: Any, latents: Any, velocity: Any, out: Any,
                sigma: float, sigma_next: float, log_prob: Any = None, sde: bool = False) -> None:
     """After denoising step ``index``: the kernel's output must have the latents' shape, dtype
     and device, be finite, and (SDE) come with a finite ``(B,)`` log-prob.
@@ -110,7 +110,8 @@ def check_step(model: Any, index: int, kernel: Any, latents: Any, velocity: Any,
     On the success path this is attribute comparisons and one ``isfinite`` reduction; only when
     the output is non-finite is the velocity examined, to name the culprit: a non-finite
     velocity is the DiT's fault (:class:`ComponentFaultError`), finite inputs turned into
-    non-finite latents the kernel's (:class:`KernelFaultError`).
+    non-finite latents the kernel's (:class:`KernelFaultError`). ``velocity=None``: the kernel
+    had no velocity input (a re-noise step), its inputs were finite.
 
     :raises KernelFaultError: naming the step, op and the kernel's ``impl_id``.
     :raises ComponentFaultError: naming the DiT's plugin, for a non-finite velocity.
@@ -132,13 +133,13 @@ def check_step(model: Any, index: int, kernel: Any, latents: Any, velocity: Any,
         raise kernel_fault(prov, f"{problem} {where}")
     if bool(torch.isfinite(out).all()):
         return
-    if not bool(torch.isfinite(velocity).all()):
+    if velocity is not None and not bool(torch.isfinite(velocity).all()):
         raise component_fault(records_of_kind(model, ("dit",)) or _unknown("dit"),
                               f"predicted a non-finite velocity {where}")
     raise kernel_fault(prov, f"returned non-finite latents from finite inputs {where}")
 
 
-def check_velocity(model: Any, index: int, velocity: Any, latents: Any) -> None:
+def check_velocity(model: Any, index: int | str, velocity: Any, latents: Any) -> None:
     """The DiT's velocity must be a tensor of the latents' shape on their device.
 
     :raises ComponentFaultError: naming the DiT's plugin.

@@ -54,6 +54,17 @@ def disk_error(exc: OSError, path: str | os.PathLike, doing: str = "writing") ->
                          f"({os.strerror(exc.errno)}); free some space and run again")
 
 
+def output_mode(path: str | os.PathLike) -> int:
+    """The permission bits an output written onto ``path`` gets: those of the file it replaces,
+    or ``0o666 & ~umask`` for a new one (``mkstemp`` makes its files 0600)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` only on success.
@@ -68,13 +79,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
-        try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-        except FileNotFoundError:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask  # mkstemp makes 0600; give a new file the usual mode
-        os.chmod(tmp, mode)
+        os.chmod(tmp, output_mode(path))
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
@@ -124,7 +129,11 @@ def read_image(image: Any) -> "Any":
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if isinstance(image, Image.Image):
-        return _to_rgb(image, "image")
+        w, h = image.size
+        if w * h > MAX_IMAGE_PIXELS:
+            raise ValueError(f"image is {w}x{h} = {w * h:,} pixels, over flowseam's limit of "
+                             f"{MAX_IMAGE_PIXELS:,}")
+        return _to_rgb(ImageOps.exif_transpose(image), "image")
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
         if not path.is_file():
@@ -292,16 +301,16 @@ class StreamingVideoWriter:
     onto ``path``, and a failure (:meth:`abort`, or an exception inside ``with``) deletes it, so
     nothing is ever left at ``path`` but a complete video.
 
-    :param fps: frames per second.
-    :raises ValueError: for a suffix other than ``.mp4``.
+    :param fps: frames per second (> 0).
+    :raises ValueError: for a suffix other than ``.mp4``, or ``fps <= 0``.
     """
 
-    def __init__(self, path: str | os.PathLike, fps: int = 8) -> None:
+    def __init__(self, path: str | os.PathLike, fps: float = 8) -> None:
         self.path = Path(path)
         if self.path.suffix.lower() != ".mp4":
             raise ValueError(f"streamed output {self.path} must end in .mp4 (a fragmented MP4 "
                              "plays while it is written)")
-        self.fps = int(fps)
+        self.fps = check_fps(fps)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.", suffix=".mp4", dir=self.path.parent)
         os.close(fd)
@@ -362,9 +371,7 @@ class StreamingVideoWriter:
             self.process.stdin.close()
             if self.process.wait() != 0:
                 raise OSError(f"ffmpeg failed writing {self.path}: {self._stderr()}")
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(self.tmp, 0o666 & ~umask)
+            os.chmod(self.tmp, output_mode(self.path))
             os.replace(self.tmp, self.path)
         except BaseException:
             self.abort()

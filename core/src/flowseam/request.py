@@ -65,6 +65,9 @@ _FIELD_RULES: dict[str, tuple[type, Any, Any]] = {
     "num_frames": (int, 1, None),
     "noise_level": (float, 0.0, None),
     "max_sequence_length": (int, 1, None),
+    "chunk_frames": (int, 1, None),
+    "local_attn_size": (int, 1, None),
+    "sink_size": (int, 0, None),
     "frame_rate": (float, (0.0,), None),
     "audio_guidance_scale": (float, 0.0, None),
     "stages": (int, 1, 2),
@@ -196,9 +199,9 @@ class DiffusionParams:
             checked = _check_number(name, value, kind, low, high)
             if checked is not value:
                 object.__setattr__(self, name, checked)
-        if not isinstance(self.sde_rollout, bool):
-            raise InvalidParameterError("sde_rollout", f"sde_rollout={self.sde_rollout!r} must be "
-                                        "true or false")
+        for flag in ("sde_rollout", "kv_cache"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidParameterError(flag, f"{flag}={getattr(self, flag)!r} must be true or false")
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise InvalidParameterError("negative_prompt", f"negative_prompt={self.negative_prompt!r} "
                                         "must be a string")

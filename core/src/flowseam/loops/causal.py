@@ -28,12 +28,16 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..faults import check_finite, check_step, check_velocity, component_faults
 from ..noise import noise_like
 from ..request import GenerationRequest
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.wan_causal import WanCausalT2V
+
+#: The component kinds that turn a request into conditioning (stage 2).
+ENCODERS = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
 
 
 @dataclass
@@ -67,6 +71,8 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
     :param step_callback: ``step_callback(i, chunks * steps, chunk latents)`` after every step
         of every chunk (``i`` counts on across chunks); an exception it raises stops the loop.
     :raises ValueError: for invalid requests, before any model runs.
+    :raises PluginFaultError: when a kernel or component raises or returns something wrong,
+        naming the plugin, the step and chunk, the op and the kernel's ``impl_id``.
     """
     t_start = time.perf_counter()
     # 1. Check inputs: fill the defaults (card's, then the checkpoint's), validate, one
@@ -75,13 +81,16 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
     seeds = request.sample_seeds(params)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
 
-    # 2. Encode the prompt.
-    cond = model.encode(request, params)
+    # 2. Encode the prompt (a failing or non-finite encoder is named with its plugin).
+    with component_faults(model, ENCODERS, "encoding the prompt"):
+        cond = model.encode(request, params)
+    check_finite(model, ("text_encoder",), cond.prompt_embeds, "returned non-finite prompt embeddings")
     t_encoded = time.perf_counter()
 
     # 3. Prepare the whole video's initial noise (drawn at once, as Self-Forcing does), the
     #    chunks, and the per-chunk sigma schedule.
-    noise = model.prepare_latents(request, params, generators, cond)
+    with component_faults(model, ("vae", "image_encoder"), "preparing the latents"):
+        noise = model.prepare_latents(request, params, generators, cond)
     sigmas, timesteps = model.schedule(params, noise)
     chunks = model.chunks(params)
 
@@ -110,17 +119,24 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
             for i in range(len(timesteps)):
                 sigma, sigma_next = sigmas[i], sigmas[i + 1]
                 t = timesteps[i].expand(x.shape[0])
-                v = model.chunk_velocity(x, t, cond, params, cache, start, context=output[:, :, :start])
+                step = f"{i} of chunk {c}"
+                with component_faults(model, ("dit",), f"predicting the velocity at step {step}"):
+                    v = model.chunk_velocity(x, t, cond, params, cache, start,
+                                             context=output[:, :, :start])
+                check_velocity(model, step, v, x)
                 log_prob = None
                 if sde is not None and i in window:
                     used = sde
                     out = sde(x, v, sigma, sigma_next, noise=noise_like(x, generators),
                               noise_level=params.noise_level, sigma_max=sigma_max)
-                    x_next, log_prob = out.sample, out.log_prob
+                    x_next, log_prob = getattr(out, "sample", out), getattr(out, "log_prob", None)
+                    check_step(model, step, sde, x, v, x_next, sigma, sigma_next, log_prob, True)
                 else:
                     x0 = euler(x, v, sigma, 0.0)
+                    check_step(model, step, euler, x, v, x0, sigma, 0.0)
                     if sigma_next > 0.0:
                         used, x_next = renoise, renoise(x0, noise_like(x0, generators), sigma_next)
+                        check_step(model, step, renoise, x0, None, x_next, 0.0, sigma_next)
                     else:
                         used, x_next = euler, x0
                 if capture:
@@ -134,7 +150,11 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
         t_denoised = time.perf_counter()
         seconds["denoise"] += t_denoised - t_chunk
         # 6. Decode the chunk and hand it over (before the cache pass: the chunk is final).
-        frames = decoder.decode(x) if decoder is not None else np.zeros((0,), np.float32)
+        frames = np.zeros((0,), np.float32)
+        if decoder is not None:
+            with component_faults(model, ("vae",), f"decoding chunk {c}"):
+                frames = decoder.decode(x)
+            check_finite(model, ("vae",), frames, f"decoded non-finite frames in chunk {c}")
         now = time.perf_counter()
         seconds["decode"] += now - t_denoised
         if bar is not None:
@@ -158,7 +178,8 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
         # 7. Write the clean chunk's keys/values into the cache (one pass at t = 0).
         if cache is not None and c < len(chunks) - 1:
             t_commit = time.perf_counter()
-            model.commit_chunk(x, cond, params, cache, start)
+            with component_faults(model, ("dit",), f"writing chunk {c} into the KV cache"):
+                model.commit_chunk(x, cond, params, cache, start)
             seconds["denoise"] += time.perf_counter() - t_commit
 
 

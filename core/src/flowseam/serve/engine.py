@@ -490,7 +490,10 @@ class Engine:
                 raise BadRequest(f"{name}: {what} are not implemented in flowseam yet; leave "
                                  f"{name} out of the request", param=name, code="not_implemented")
         seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
-        params = req.params(seed)
+        try:  # DiffusionParams refuses non-finite and out-of-range values (naming the field)
+            params = req.params(seed)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param=_api_field(str(exc))) from None
         target = self._target(req)
         job = Job(id=new_job_id(req.kind), kind=req.kind, model=target, prompt=req.prompt,
                   status="queued", params={})

@@ -12,6 +12,8 @@ import binascii
 import io
 from typing import Any
 
+from ..media import read_image
+
 #: the largest image accepted, in pixels (Pillow's own bomb check starts at 89 MP)
 MAX_PIXELS = 4096 * 4096
 FORMATS = ("PNG", "JPEG", "WEBP")
@@ -68,7 +70,7 @@ def decode_image(data: bytes) -> Any:
                 raise UploadError(f"input_reference is {width}x{height} pixels; at most "
                                   f"{MAX_PIXELS} pixels are accepted")
             image.load()
-            return image.convert("RGB")
+            return read_image(image)  # every mode converted with its real values (flowseam.media)
     except UploadError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:

@@ -190,6 +190,8 @@ class Finetune:
         self.train_cfg, self.sampling, self.optim = cfg["train"], cfg["sampling"], cfg["optim"]
         self.dp = data_parallel(cfg)
         self.check_world_size(cfg, self.dp.world_size)
+        if model is not None:
+            self.check_loop(model)
         self.dataset = list(dataset) if dataset is not None else read_dataset(cfg["data"] or "")
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"], dp=self.dp, method=self.name,
@@ -199,16 +201,22 @@ class Finetune:
                 raise FlowseamError("config needs model = <checkpoint directory>")
             model = load(cfg["model"], platform=self.dp.platform(
                 lambda: Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()))
-        if model.card.loops[0] != "flow_match":
-            raise FlowseamError(f"finetune's loss is the bidirectional flow-matching loss; "
-                                f"{model.card.name} runs the {model.card.loops[0]} loop, which it "
-                                "does not implement (train causal checkpoints with flowgrpo)")
+            self.check_loop(model)
         self.model = model
         self.stage = Stage.create("dit", model, self.optim, cfg["lora"], with_reference=False,
                                   dp=self.dp)
         self.step = 0
         self.progress = True
         self.examples: list[Example] | None = None  # filled by prepare()
+
+    @staticmethod
+    def check_loop(model: ModelInstance) -> None:
+        """:raises FlowseamError: for a model whose card runs another loop than ``flow_match``
+        (finetune's loss is the bidirectional flow-matching loss)."""
+        if model.card.loops[0] != "flow_match":
+            raise FlowseamError(f"finetune's loss is the bidirectional flow-matching loss; "
+                                f"{model.card.name} runs the {model.card.loops[0]} loop, which it "
+                                "does not implement (train causal checkpoints with flowgrpo)")
 
     @staticmethod
     def check_world_size(config: dict[str, Any], world_size: int) -> None:
