@@ -64,6 +64,8 @@ ROWS = [
             ("--guidance", "guidance_scale=inf", "finite number")),
     Hostile("numbers", "guidance negative", GEN_T2V + ("--guidance", "-2"),
             ("--guidance", ">= 0")),
+    Hostile("numbers", "guidance-2 NaN", GEN_T2V + ("--guidance-2", "nan"),
+            ("--guidance-2", "guidance_scale_2=nan", "finite number")),
     Hostile("numbers", "flow shift NaN", GEN_T2V + ("--flow-shift", "nan"),
             ("--flow-shift", "flow_shift=nan")),
     Hostile("numbers", "flow shift inf", GEN_T2V + ("--flow-shift", "inf"),

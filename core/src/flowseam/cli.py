@@ -32,8 +32,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 #: DiffusionParams field → the ``generate`` option that sets it (for error messages).
 GENERATE_OPTIONS = {"num_steps": "--steps", "guidance_scale": "--guidance",
-                    "flow_shift": "--flow-shift", "seed": "--seed", "height": "--height",
-                    "width": "--width", "num_frames": "--frames",
+                    "guidance_scale_2": "--guidance-2", "flow_shift": "--flow-shift",
+                    "seed": "--seed", "height": "--height", "width": "--width", "num_frames": "--frames",
                     "negative_prompt": "--negative-prompt", "fps": "--fps",
                     "chunk_frames": "--chunk-frames", "local_attn_size": "--local-attn-size",
                     "sink_size": "--sink-size"}

@@ -58,6 +58,7 @@ def _check_number(name: str, value: Any, kind: type, low: float | None, high: fl
 _FIELD_RULES: dict[str, tuple[type, Any, Any]] = {
     "num_steps": (int, 1, None),
     "guidance_scale": (float, 0.0, None),
+    "guidance_scale_2": (float, 0.0, None),
     "flow_shift": (float, (0.0,), None),
     "seed": (int, 0, MAX_SEED),
     "height": (int, 1, None),
