@@ -36,7 +36,8 @@ GENERATE_OPTIONS = {"num_steps": "--steps", "guidance_scale": "--guidance",
                     "seed": "--seed", "height": "--height", "width": "--width", "num_frames": "--frames",
                     "negative_prompt": "--negative-prompt", "fps": "--fps",
                     "chunk_frames": "--chunk-frames", "local_attn_size": "--local-attn-size",
-                    "sink_size": "--sink-size"}
+                    "sink_size": "--sink-size", "stages": "--stages",
+                    "audio_guidance_scale": "--audio-guidance", "frame_rate": "--fps"}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
