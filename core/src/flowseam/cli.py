@@ -1,4 +1,4 @@
-"""The ``flowseam`` command line (also ``python -m flowseam``)."""
+"""The flowseam command line (also python -m flowseam)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .errors import FlowseamError
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    rows, explain = backend_rows(strict=False)
+    rows, platform = backend_rows(strict=False, backend=args.backend)
     broken = [r for r in rows if r["status"] == "broken"]
     if args.json:
         for r in rows:
@@ -20,7 +20,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
                 r.pop("traceback", None)
         print(json.dumps(rows, indent=2))
     else:
-        print_backend_table(rows, explain, verbose=args.verbose)
+        print_backend_table(rows, platform, verbose=args.verbose)
     if args.strict and broken:
         names = ", ".join(r["name"] for r in broken)
         print(f"flowseam: broken plugin(s): {names} (--strict)", file=sys.stderr)
@@ -240,12 +240,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flowseam", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("backends", help="list every discovered plugin and the resolved platform")
+    parser = argparse.ArgumentParser(
+        prog="flowseam", description="Serve and RL-post-train flow-matching diffusion models "
+                                     "through backend plugins.",
+        epilog="Run flowseam COMMAND --help for a command's options.")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print flowseam's version and its installed plugins', then exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("backends", help="list every discovered plugin and the resolved platform",
+                       description="List every discovered plugin (backends, then the plugins "
+                                   "that register training methods and rewards) and how the "
+                                   "platform resolves every op and component kind.")
+    p.add_argument("--backend", metavar="NAME",
+                   help="show the platform of this backend (default: the highest-priority "
+                        "available one)")
     p.add_argument("--json", action="store_true", help="print a JSON list of plugin objects")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any plugin is broken")
-    p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of broken plugins")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="the long form: every op at every arch rung, implementation ids, "
+                        "tracebacks of broken plugins")
     p.set_defaults(func=cmd_backends)
 
     g = sub.add_parser("generate", help="generate an image or a video from a checkpoint")
@@ -371,14 +384,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Version(argparse.Action):
+    """``--version``, printed as is (argparse's own action rewraps the text)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """``flowseam 0.1.0`` and the version of every installed plugin distribution (without
+    importing them)."""
+    from importlib import metadata
+
+    from . import __version__
+    from .plugins import ENTRY_POINT_GROUP
+
+    dists = sorted({f"{ep.dist.metadata['Name']} {ep.dist.version}"
+                    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
+                    if ep.dist is not None and ep.dist.metadata["Name"] != "flowseam"})
+    return f"flowseam {__version__}" + (f" (plugins: {', '.join(dists)})" if dists else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's final flush
+        return status
     except (FlowseamError, ValueError) as exc:
         print(f"flowseam: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (flowseam backends --json | head): stop quietly, as cat does.
+        # Point stdout at devnull so that the interpreter's final flush cannot raise again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

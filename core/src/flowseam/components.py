@@ -114,6 +114,8 @@ class ComponentRecord:
 
     :ivar fallback: True when it was built on a later device of the chain than the first.
     :ivar reason: why it is not on the first device (empty when it is).
+    :ivar dtype: its parameters' dtype (:func:`module_dtype`: ``"bfloat16"``, or
+        ``"bfloat16+float32"`` for a mixed-precision module); empty for a tokenizer or processor.
     """
 
     kind: str
@@ -122,3 +124,15 @@ class ComponentRecord:
     plugin: str
     fallback: bool
     reason: str = ""
+    dtype: str = ""
+
+
+def module_dtype(obj: Any) -> str:
+    """The floating-point dtypes of ``obj``'s parameters, lowest precision first, joined by
+    ``+`` (``"float32"``; ``"bfloat16+float32"`` for a bf16 model that keeps its norms in
+    float32); ``""`` for an object without floating-point parameters (a tokenizer)."""
+    try:
+        found = {p.dtype for p in obj.parameters() if p.is_floating_point()}
+    except (AttributeError, TypeError):
+        return ""
+    return "+".join(str(d).removeprefix("torch.") for d in sorted(found, key=lambda d: (d.itemsize, str(d))))

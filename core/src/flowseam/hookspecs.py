@@ -97,9 +97,9 @@ def flowseam_register_kernels() -> Iterable[KernelRegistration] | None:
 @hookspec
 def flowseam_component_kinds() -> Iterable[str] | None:
     """Declare the component kinds (``"dit"``, ``"vae"``, ``"text_encoder"``, ...) this backend
+    can build on its device; ``"*"`` means every kind (the cpu backend declares it).
 
     firstresult: no — every plugin's kinds are collected.
-    can build on its device; ``"*"`` means every kind (the cpu backend declares it).
 
     Called once at discovery. A kind that no plugin of a device declares falls back to the next
     device of the chain (ultimately ``cpu``), and the platform records that fallback.

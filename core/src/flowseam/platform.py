@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .components import ComponentRecord, ComponentSpec
+from .components import ComponentRecord, ComponentSpec, module_dtype
 from .declarations import Provenance
 from .errors import BackendUnavailableError, ComponentBuildError, FlowseamError
 from .kernels import BoundKernel, KernelTable
@@ -134,7 +134,7 @@ class Platform:
                 if obj is not None:
                     self.components.append(ComponentRecord(
                         kind=kind, name=spec.name, device=device, plugin=rec.name,
-                        fallback=i > 0, reason="; ".join(reasons)))
+                        fallback=i > 0, reason="; ".join(reasons), dtype=module_dtype(obj)))
                     return obj
                 reasons.append(f"plugin {rec.name!r} declined {kind!r} on {device!r}")
         raise ComponentBuildError(
@@ -155,33 +155,45 @@ class Platform:
         """The arch chain of the first device, most specific first, ending in ``"generic"``."""
         return self.arch_chains[self.device_chain[0]]
 
-    def explain(self) -> str:
-        """A readable table of every op and component resolution, conflicts and fallbacks."""
+    def explain(self, verbose: bool = False, width: int = 100) -> str:
+        """A readable report of every op and component resolution, conflicts and fallbacks:
+        two tables (ops: device/arch, plugin, fallback; components: kind, device, plugin, dtype,
+        fallback) with each fallback's reason whole on the line below its component.
+
+        :param verbose: add each kernel's implementation id (what ``kernels.pin`` takes).
+        """
+        from .console import format_table
+
         b = self.backend
         lines = [
             f"Platform: backend {self.name!r} ({b.distribution} {b.version}), "
             f"device chain {' → '.join(self.device_chain)}",
             "arch chains: " + "; ".join(f"{d}: {' → '.join(a)}" for d, a in self.arch_chains.items()),
             "",
-            f"{'op':<18}{'device/arch':<20}{'plugin':<12}{'fallback':<10}impl_id",
         ]
         first = self.device_chain[0]
+        header = ["op", "device/arch", "plugin", "fallback"] + (["impl_id"] if verbose else [])
+        rows = []
         for op, k in self.kernels.resolved().items():
             p = k.provenance
-            lines.append(f"{op:<18}{p.device + '/' + p.arch:<20}{p.plugin:<12}"
-                         f"{'yes' if p.device != first else 'no':<10}{p.impl_id}")
-        lines += ["", f"{'component':<16}{'kind':<16}{'device':<10}{'plugin':<12}{'fallback':<10}why"]
-        for c in self.components:
-            lines.append(f"{c.name:<16}{c.kind:<16}{c.device:<10}{c.plugin:<12}"
-                         f"{'yes' if c.fallback else 'no':<10}{c.reason}")
+            rows.append([op, f"{p.device}/{p.arch}", p.plugin, "yes" if p.device != first else "no"]
+                        + ([p.impl_id] if verbose else []))
+        lines += format_table(header, rows, width if not verbose else 10 ** 6)
+        rows = [[c.name, c.kind, c.device, c.plugin, c.dtype or "-", "yes" if c.fallback else "no"]
+                for c in self.components]
+        whys = [c.reason for c in self.components]
         if not self.components:
             kinds = sorted({k for d in self.device_chain for r in self._serving[d]
                             for k in r.component_kinds if k != "*"} | {"dit", "vae", "text_encoder"})
             for kind in kinds:
                 device, plugin, fb = self.component_plan(kind)
-                lines.append(f"{'(planned)':<16}{kind:<16}{device:<10}{plugin:<12}"
-                             f"{'yes' if fb else 'no':<10}"
-                             f"{'' if not fb else f'no plugin serving {first!r} builds {kind!r}'}")
+                rows.append(["(planned)", kind, device, plugin, "-", "yes" if fb else "no"])
+                whys.append(f"no plugin serving {first!r} builds {kind!r}" if fb else "")
+        table = format_table(["component", "kind", "device", "plugin", "dtype", "fallback"], rows,
+                             width)
+        lines += [""] + table[:2]
+        for line, why in zip(table[2:], whys):  # the reason whole, on a line of its own
+            lines += [line] + ([f"  why: {why}"] if why else [])
         if self.conflicts:
             lines += ["", "conflicts:"] + [f"  {c}" for c in self.conflicts]
         return "\n".join(lines)

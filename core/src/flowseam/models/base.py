@@ -158,13 +158,18 @@ class ModelInstance:
         self.unused_components: dict[str, str] = {}
 
     def provenance(self, solver: bool = True) -> str:
-        """One line: where each component and the kernels came from, and (``solver=True``) the
-        solver with its schedule settings and where each came from."""
+        """One line: where each component (device/plugin, dtype) and each kernel (its
+        implementation id) came from — whatever fell back past the platform's first device is
+        marked ``(fallback)`` — and (``solver=True``) the solver with its schedule settings and
+        where each came from."""
         kinds = ("dit", "vae", "text_encoder", "image_encoder", "text_connectors", "audio_vae",
                  "vocoder", "latent_upsampler")
-        comps = ", ".join(f"{n}={r.device}/{r.plugin}{' (fallback)' if r.fallback else ''}"
+        first = self.platform.device_chain[0]
+        comps = ", ".join(f"{n}={r.device}/{r.plugin} {r.dtype or '-'}"
+                          f"{' (fallback)' if r.fallback else ''}"
                           for n, r in self.component_records.items() if r.kind in kinds)
-        kern = ", ".join(f"{op}={k.impl_id}" for op, k in self.platform.kernels.resolved().items())
+        kern = ", ".join(f"{op}={k.impl_id}{' (fallback)' if k.provenance.device != first else ''}"
+                         for op, k in self.platform.kernels.resolved().items())
         line = f"[{self.card.name}] components: {comps}; kernels: {kern}"
         if self.unused_components:
             line += "; not loaded: " + ", ".join(f"{n} ({why})"
