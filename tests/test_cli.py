@@ -39,7 +39,7 @@ def test_help_has_no_rst_markup_and_names_every_command():
     assert len(texts) >= 5  # flowseam, backends, generate, train, demo, ...
     for text in texts:
         assert "``" not in text and ":param" not in text, text
-    for command in ("backends", "generate", "train", "demo"):
+    for command in ("backends", "generate", "train", "demo", "models"):
         assert command in texts[0]
 
 

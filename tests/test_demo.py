@@ -194,9 +194,14 @@ def test_demo_smoke_builds_once_then_reuses_the_cache(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rl_steps"] == 1 and summary["backend"] == "cpu"
     assert {"reward_before", "reward_after", "generated_digit_accuracy_before"} <= set(summary)
+    from flowseam.demo.build import read_recipes
+
+    recipes = read_recipes()
     for stage in ("digits-t2i", "digits-i2v"):
         loaded = flowseam.load(tmp_path / "models" / stage, platform=flowseam.Platform("cpu"))
         assert loaded.card.name == ("flux.1-t2i" if stage == "digits-t2i" else "wan2.1-i2v")
+        # the recipe's [serve] settings are the built model's own serving defaults
+        assert loaded.serve_defaults == recipes[stage].config["serve"]
 
 
 def test_the_shipped_weights_match_the_recipes_so_a_first_run_never_builds():

@@ -64,7 +64,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
                              chunk_frames=args.chunk_frames, local_attn_size=args.local_attn_size,
                              sink_size=args.sink_size, guidance_scale_2=args.guidance_2,
-                             stages=args.stages, audio_guidance_scale=args.audio_guidance)
+                             stages=args.stages, audio_guidance_scale=args.audio_guidance,
+                             max_sequence_length=args.max_sequence_length)
     ignore = tuple(args.ignore_scheduler_option or ())
     backends = args.backend or [None]
     if len(backends) > (2 if args.workflow else 1):
@@ -201,6 +202,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level, threads=args.threads))
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """Where the demo models are installed, and how to generate with them."""
+    from pathlib import Path
+
+    from .console import format_table, terminal_width
+    from .demo.build import default_cache_dir, demo_models
+
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    rows = demo_models(cache)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no demo model found (looked in {cache} and in the package's shipped weights); "
+              "flowseam demo --build-only builds them")
+        return 0
+
+    def serve(r: dict) -> str:
+        d = r["serve"]
+        size = f"{d['width']}x{d['height']}" if "width" in d and "height" in d else None
+        parts = [f"{d['num_steps']} steps" if "num_steps" in d else None, size,
+                 f"{d['num_frames']} frames" if "num_frames" in d else None,
+                 f"{d['max_sequence_length']} text tokens" if "max_sequence_length" in d else None]
+        return ", ".join(p for p in parts if p) or "-"
+
+    table = [[r["name"], r["card"] or "-", r["source"] + ("" if r["matches_recipe"] else
+                                                         " (stale: its recipe changed)"),
+              serve(r)] for r in rows]
+    lines = format_table(["model", "card", "from", "serving defaults"], table, terminal_width(),
+                         wrap=(3,))
+    print("\n".join(lines[:2]))
+    for r, line in zip(rows, lines[2:]):
+        print(f"{line}\n  {r['path']}")
+    used = {}
+    for r in rows:  # the one flowseam demo uses: the first matching place
+        if r["matches_recipe"]:
+            used.setdefault(r["name"], r["path"])
+    if "digits-t2i" in used:
+        print(f"\ntry: flowseam generate --model {used['digits-t2i']} "
+              "--prompt 'a handwritten digit seven' --output seven.png")
+    if "digits-i2v" in used:
+        print(f"     flowseam generate --model {used['digits-i2v']} --image seven.png "
+              "--prompt 'a handwritten digit seven moving left' --output seven.gif")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on real handwritten digits (see flowseam.demo.run)."""
     import importlib.util
@@ -261,13 +308,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "tracebacks of broken plugins")
     p.set_defaults(func=cmd_backends)
 
-    g = sub.add_parser("generate", help="generate an image or a video from a checkpoint")
+    g = sub.add_parser(
+        "generate", help="generate an image or a video from a checkpoint",
+        description="Generate an image or a video from a diffusers-format checkpoint (or run a "
+                    "cross-model workflow) and write it atomically. Every sampling option left "
+                    "unset takes the checkpoint's own serving default (its flowseam.json), else "
+                    "the model card's default.",
+        epilog="Example, with a demo model (flowseam models lists where they are): flowseam "
+               "generate --model DIR/digits-t2i --prompt 'a handwritten digit seven' "
+               "--output seven.png")
     g.add_argument("--model", action="append", required=True, metavar="PATH",
                    help="diffusers-format checkpoint directory or hub id (twice for --workflow)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--image", help="conditioning image for image-to-video")
     g.add_argument("--workflow", help="a cross-model workflow, e.g. t2i-i2v")
-    g.add_argument("--steps", type=int, help="denoising steps (card default if unset)")
+    g.add_argument("--steps", type=int, help="denoising steps")
     g.add_argument("--guidance", type=float, help="guidance scale")
     g.add_argument("--guidance-2", type=float,
                    help="guidance scale of the low-noise expert of a two-expert (Wan2.2) model "
@@ -280,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "with a warning instead of refusing (repeatable; _class_name runs the "
                         "card's default scheduler)")
     g.add_argument("--negative-prompt")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default 0)")
     g.add_argument("--frames", type=int, help="video length in frames (Wan: 4k+1)")
     g.add_argument("--height", type=int, help="pixels")
     g.add_argument("--width", type=int, help="pixels")
@@ -291,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LTX-2: 1 = generate at --height x --width; 2 (default) = half size, "
                         "latent upsample x2, refine")
     g.add_argument("--audio-guidance", type=float, help="LTX-2: CFG scale of the audio")
+    g.add_argument("--max-sequence-length", type=int, metavar="N",
+                   help="text tokens the text encoder keeps (sample with what the model was "
+                        "trained with); with --workflow, the text-to-image stage's")
     g.add_argument("--backend", action="append",
                    help="backend name (default: the highest-priority available); with --workflow, "
                         "give it twice to choose each stage's backend")
@@ -354,6 +412,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default: torch's, one per core); on a shared or "
                         "small CPU machine fewer threads than cores often run faster")
     s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("models", help="list where the demo models are installed",
+                       description="List the demo's models (digits-t2i: FLUX.1 architecture, "
+                                   "text to image; digits-i2v: Wan2.1 I2V, image to video): where "
+                                   "each is installed (the cache flowseam demo builds into, and "
+                                   "the weights shipped in the package), its serving defaults, "
+                                   "and how to generate with it.")
+    m.add_argument("--cache", help="the demo's model cache (default $FLOWSEAM_DEMO_CACHE or "
+                                   "outputs/models)")
+    m.add_argument("--json", action="store_true", help="print a JSON list")
+    m.set_defaults(func=cmd_models)
 
     d = sub.add_parser("demo", help="the main job on real handwritten digits: build or load the "
                                     "demo models, run the text-to-image → image-to-video "

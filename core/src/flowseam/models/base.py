@@ -156,6 +156,8 @@ class ModelInstance:
         self.component_records: dict[str, Any] = {}
         #: components model_index.json declares that this card does not load, with the reason
         self.unused_components: dict[str, str] = {}
+        #: the checkpoint's own serving defaults (``flowseam.json``'s ``serve`` table)
+        self.serve_defaults: dict[str, Any] = {}
 
     def provenance(self, solver: bool = True) -> str:
         """One line: where each component (device/plugin, dtype) and each kernel (its
@@ -303,6 +305,12 @@ class ModelInstance:
         return stream_loop(self, request, profile=ExecutionProfile.SERVE, progress=progress)
 
     @property
+    def defaults(self) -> dict[str, Any]:
+        """The values a request's unset parameters take: the checkpoint's serving defaults
+        (:attr:`serve_defaults`) over the card's (precedence: :mod:`flowseam.defaults`)."""
+        return {**self.card.defaults, **self.serve_defaults}
+
+    @property
     def dit(self) -> torch.nn.Module:
         return self.components[self.DIT]
 
@@ -360,7 +368,7 @@ class ModelInstance:
 
     # -- step bodies (card-specific) -----------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
-        """Fill the card's defaults into ``request.params`` and validate the request.
+        """Fill :attr:`defaults` into ``request.params``' unset fields and validate the request.
 
         :raises ValueError: naming the bad value and what is allowed (the card's ``rules``).
         """

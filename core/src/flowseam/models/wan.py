@@ -60,7 +60,7 @@ class WanT2V(ModelInstance):
 
     # -- 1. check -------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
-        params = request.params.with_defaults(self.card.defaults)
+        params = request.params.with_defaults(self.defaults)
         check_common(params, request)
         self.check_loop_params(params)
         self.check_experts(params)
