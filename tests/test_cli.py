@@ -116,3 +116,42 @@ def test_hookspec_docstrings_start_with_one_whole_sentence():
         summary = doc.split("\n\n")[0]
         assert "firstresult" not in summary, name
         assert summary.rstrip().endswith("."), (name, summary)
+
+
+def test_train_help_lists_the_registered_methods_and_how_to_see_their_config(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    text = capsys.readouterr().out
+    for name in ("finetune", "flowgrpo", "workflow_rl"):
+        assert re.search(rf"^  {name} +\S", text, flags=re.M), text
+    assert "--show-config" in text and "``" not in text
+
+
+@pytest.mark.parametrize("name", ["flowgrpo", "workflow_rl", "finetune"])
+def test_show_config_prints_every_key_with_its_default_as_toml(name, capsys):
+    import tomllib
+
+    from flowseam.cli import main
+    from flowseam.training import get_method
+
+    assert main(["train", "--method", name, "--show-config"]) == 0
+    text = capsys.readouterr().out
+    parsed = tomllib.loads(text)  # a valid config to start from
+    defaults = get_method(name).default_config()
+
+    def without_none(d):
+        return {k: without_none(v) if isinstance(v, dict) else v for k, v in d.items()
+                if v is not None}
+
+    assert parsed == without_none(defaults)
+    for key, value in defaults.items():  # no default: shown commented out
+        if value is None:
+            assert f"\n# {key} =" in text, key
+    assert "steps = " in text and "[optim]" in text
+
+
+def test_show_config_of_an_unknown_method_lists_the_registered_ones(capsys):
+    from flowseam.cli import main
+
+    assert main(["train", "--method", "nosuch", "--show-config"]) == 2
+    assert "registered methods" in capsys.readouterr().err

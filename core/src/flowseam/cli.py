@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from .console import backend_rows, print_backend_table, quiet_libraries
 from .errors import FlowseamError
@@ -145,6 +145,45 @@ def _with_frame_rate(params, model, fps: float | None):
     return params.replace(frame_rate=fps) if "frame_rate" in model.card.defaults else params
 
 
+def show_config(name: str, method: Any) -> str:
+    """What ``flowseam train --method NAME --show-config`` prints: the method's summary and
+    every config key with its default, as TOML (or its docstring, for a method that does not
+    publish its keys)."""
+    import inspect
+
+    from .training.config import as_toml
+
+    doc = inspect.getdoc(method) or ""
+    summary = first_sentence(doc)
+    module_doc = inspect.getdoc(inspect.getmodule(method)) or ""
+    if not hasattr(method, "default_config"):
+        return (f"# {name}: {summary}\n# this method does not publish its config keys "
+                f"(no default_config()); its documentation:\n\n{module_doc or doc}\n")
+    head = f"{name}: {summary}\nEvery key with its default; a commented key has none (required, " \
+           "or chosen at run time).\nSee the method's documentation for what each means:\n" \
+           f"python -c \"import {method.__module__} as m; help(m)\""
+    return as_toml(method.default_config(), tuple(getattr(method, "CONFIG_TABLES", ())), head)
+
+
+def _set_override(config: dict, override: str) -> None:
+    """``--set KEY=VALUE``: a top-level key, or ``table.key`` (the value parsed as JSON when it
+    can be, else kept as a string)."""
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set {override!r} must look like key=value or table.key=value")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    *tables, last = key.split(".")
+    target = config
+    for table in tables:
+        target = target.setdefault(table, {})
+        if not isinstance(target, dict):
+            raise ValueError(f"--set {override!r}: {table!r} is not a table of the config")
+    target[last] = parsed
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Run a registered training method with a TOML/YAML config (on ``--nproc`` ranks)."""
     import os
@@ -154,28 +193,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     method = get_method(args.method)  # unknown → error listing the registered methods
+    if args.show_config:
+        print(show_config(args.method, method), end="")
+        return 0
+    if not args.config:
+        raise ValueError("--config is required (a .toml or .yaml file); --show-config prints "
+                         f"every key of {args.method}'s config with its default")
     config = load_config(args.config)
     for override in args.set or []:
-        key, sep, value = override.partition("=")
-        if not sep:
-            raise ValueError(f"--set {override!r} must look like key=value")
-        import json
-        try:
-            config[key] = json.loads(value)
-        except ValueError:
-            config[key] = value
-    if args.nproc is not None:
-        if args.nproc < 1:
-            raise ValueError(f"--nproc={args.nproc} must be >= 1")
-        if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # the launcher, not yet a rank
-            from .training.distributed import launch
+        _set_override(config, override)
+    if args.output_dir:
+        config["output_dir"] = args.output_dir
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc} must be >= 1")
+    launcher = args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ
+    if launcher:  # not yet a rank
+        check = getattr(method, "check_world_size", None)
+        if check is not None:
+            check(config, args.nproc)  # e.g. a batch that does not split: fail before spawning
+    if not config.get("output_dir"):
+        raise ValueError("the run needs somewhere to write its trained model: set output_dir in "
+                         "the config, or pass --output-dir DIR")
+    if launcher:
+        from .training.distributed import launch
 
-            check = getattr(method, "check_world_size", None)
-            if check is not None:
-                check(config, args.nproc)  # e.g. a batch that does not split: fail before spawning
-            argv = ["train", "--method", args.method, "--config", args.config]
-            argv += [a for s in args.set or [] for a in ("--set", s)]
-            return launch(argv, args.nproc)
+        argv = ["train", "--method", args.method, "--config", args.config]
+        argv += [a for s in args.set or [] for a in ("--set", s)]
+        argv += ["--output-dir", config["output_dir"]]
+        return launch(argv, args.nproc)
     summary = method(config).run(progress=True)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for the run
@@ -183,8 +228,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in last.items()
              if k.startswith(("step", "reward_mean", "loss", "ratio", "t2i_ratio", "i2v_ratio"))}
     print(f"{args.method}: {summary['steps']} steps; last: {shown}")
-    if config.get("output_dir"):
-        print(f"metrics: {config['output_dir']}/metrics.jsonl")
+    out = config["output_dir"]
+    for stage, paths in (summary.get("exported") or {}).items():
+        where = f" ({stage})" if len(summary["exported"]) > 1 else ""
+        print(f"model{where}: {paths['model']} (diffusers format: flowseam generate --model "
+              f"{paths['model']} ...)")
+        if "lora" in paths:
+            print(f"lora{where}: {paths['lora']} (diffusers: pipe.load_lora_weights)")
+    print(f"checkpoints: {out}/checkpoints; metrics: {out}/metrics.jsonl")
     return 0
 
 
@@ -286,14 +337,59 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _registered_methods_text() -> str:
+    """The train command's epilog: the registered methods (discovered when help is shown)."""
+    from .training import registered_methods
+
+    try:
+        methods = registered_methods()
+    except Exception as exc:  # help must still print
+        return f"(cannot list the training methods: {type(exc).__name__}: {exc})"
+    lines = ["registered methods (--method NAME --show-config prints the keys of its config",
+             "with their defaults):"]
+    for name, cls in sorted(methods.items()):
+        lines.append(f"  {name:<14}{first_sentence(cls.__doc__)}")
+    return "\n".join(lines)
+
+
+def first_sentence(doc: str | None) -> str:
+    """The first sentence of a docstring, as plain text (no RST ``literal`` markup)."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split()).replace("``", "")
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose epilog may be a callable (computed only when help is shown, so
+    that building the parser never discovers plugins), printed as is."""
+
+    def format_help(self) -> str:
+        epilog = self.epilog
+        if callable(epilog):
+            self.epilog = epilog()
+        try:
+            return super().format_help()
+        finally:
+            self.epilog = epilog
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:  # preformatted (an epilog listing methods): keep its lines
+            return "".join(indent + line + "\n" for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="flowseam", description="Serve and RL-post-train flow-matching diffusion models "
                                      "through backend plugins.",
-        epilog="Run flowseam COMMAND --help for a command's options.")
+        epilog="Run flowseam COMMAND --help for a command's options.",
+        formatter_class=_HelpFormatter)
     parser.add_argument("--version", action=_Version, nargs=0,
                         help="print flowseam's version and its installed plugins', then exit")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
     p = sub.add_parser("backends", help="list every discovered plugin and the resolved platform",
                        description="List every discovered plugin (backends, then the plugins "
                                    "that register training methods and rewards) and how the "
@@ -366,11 +462,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="causal checkpoints: first latent frames kept in the window")
     g.set_defaults(func=cmd_generate)
 
-    t = sub.add_parser("train", help="run a training method (finetune, flowgrpo, workflow_rl, ...)")
-    t.add_argument("--method", required=True, help="a registered training method")
-    t.add_argument("--config", required=True, help="a .toml or .yaml config file")
+    t = sub.add_parser(
+        "train", help="run a training method (finetune, flowgrpo, workflow_rl, ...)",
+        description="Run a registered training method with a TOML or YAML config. The run "
+                    "writes its metrics, its checkpoints (always one at the last step) and, at "
+                    "the end, the trained model in diffusers format (OUTPUT_DIR/model, what "
+                    "flowseam generate --model takes; a LoRA run also writes "
+                    "OUTPUT_DIR/pytorch_lora_weights.safetensors). Rerunning the same command "
+                    "resumes from the latest checkpoint.",
+        epilog=_registered_methods_text, formatter_class=_HelpFormatter)
+    t.add_argument("--method", required=True, help="a registered training method (listed below)")
+    t.add_argument("--config", metavar="FILE", help="a .toml or .yaml config file")
+    t.add_argument("--show-config", action="store_true",
+                   help="print every key of the method's config with its default, then exit")
+    t.add_argument("--output-dir", metavar="DIR",
+                   help="where the run writes (overrides the config's output_dir)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a top-level config key (value parsed as JSON when it can be)")
+                   help="override a config key, TABLE.KEY for a key of a table "
+                        "(e.g. sampling.height=64); the value is parsed as JSON when it can be")
     t.add_argument("--nproc", type=int, metavar="N",
                    help="data-parallel training on N ranks of this machine (torchrun: gloo on CPU, "
                         "nccl on GPU, one GPU per rank); rank 0 writes metrics and checkpoints")

@@ -277,9 +277,9 @@ def build_model(recipe: Recipe, cache_dir: str | os.PathLike, *, quick: bool = F
     log(f"{recipe.name}: transformer trained in {ft_seconds:.0f} s ({len(losses)} steps, loss "
         f"{np.mean(losses[:10]):.3f} → {np.mean(losses[-10:]):.3f})")
 
-    # 4. Save in diffusers format (with the recipe and its serving defaults), check, and record.
-    final = work / "model"
-    ft.save(final)
+    # 4. The run saved it in diffusers format; add the recipe and its serving defaults, check,
+    # and record.
+    final = Path(summary["model"])
     shutil.copyfile(recipe.path, final / RECIPE_COPY)
     write_serve_defaults(final, recipe)
     metrics = evaluate_model(recipe, _load(final, Platform("cpu")),

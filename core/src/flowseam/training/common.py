@@ -105,10 +105,16 @@ def _add_lora(module: torch.nn.Module, lora: dict[str, Any]) -> None:
 
 @dataclass
 class RunFiles:
-    """Where a run writes: ``metrics.jsonl`` and ``checkpoints/`` under ``output_dir``.
+    """Where a run writes, under ``output_dir``: ``metrics.jsonl``, ``checkpoints/`` (every
+    ``checkpoint_every`` steps and always at the last step), and the trained model
+    (:mod:`flowseam.training.export`: ``model/``, and for LoRA runs
+    ``pytorch_lora_weights.safetensors``; under ``<stage>/`` for each stage of a multi-model
+    method).
 
     :param dp: the run's ranks: rank 0 alone writes; every rank reads the checkpoint it resumes
         from (under FSDP2 each rank then keeps its shard of it).
+    :ivar resumed_from: the checkpoint the run resumed from, if any.
+    :ivar exported: stage name → ``{"model": dir, "lora": file}`` once the run has exported.
     """
 
     output_dir: Path | None
@@ -116,6 +122,8 @@ class RunFiles:
     metrics: MetricsWriter | None = None
     timings: dict[str, float] = field(default_factory=dict)
     dp: DataParallel = field(default_factory=DataParallel.single)
+    resumed_from: Path | None = None
+    exported: dict[str, dict[str, Path]] = field(default_factory=dict)
 
     def open(self, resumed_step: int) -> None:
         if self.output_dir is None or not self.dp.is_main:
@@ -140,6 +148,7 @@ class RunFiles:
         modules, optimizers = self.dp.checkpoint_views(stages, gather=False)
         state = load_checkpoint(path, modules, optimizers)
         self.dp.restore(stages, modules, optimizers)
+        self.resumed_from = path
         for s in stages:
             # the rollout copy (and every receiver of the plan) gets the restored weights under
             # the version they had
@@ -148,8 +157,20 @@ class RunFiles:
             s.model.versions[s.sync.component] = state["weights_versions"][s.name]
         return state
 
-    def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any]) -> Path | None:
-        if not self.checkpoint_every or self.checkpoint_dir is None or step % self.checkpoint_every:
+    def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any],
+                         final: bool = False) -> Path | None:
+        """Save checkpoint ``step`` if it is due (every ``checkpoint_every`` steps), or, with
+        ``final``, unless this run already saved it or resumed from it. Every rank calls it
+        (and every rank decides alike: under FSDP2 the weights are gathered from all of them);
+        rank 0 writes."""
+        if self.checkpoint_dir is None:
+            return None
+        due = bool(self.checkpoint_every) and step % self.checkpoint_every == 0
+        if final:
+            if due or (self.resumed_from is not None
+                       and self.resumed_from.name == f"step-{step:06d}"):
+                return None
+        elif not due:
             return None
         modules, optimizers = self.dp.checkpoint_views(stages, gather=True)  # every rank
         if not self.dp.is_main:
@@ -159,6 +180,30 @@ class RunFiles:
             {"sync_versions": {s.name: s.sync.version for s in stages},
              "weights_versions": {s.name: s.model.versions[s.sync.component] for s in stages},
              **extra})
+
+    def export(self, method: str, step: int, stages: list[Stage]) -> None:
+        """Write each diffusion stage's trained model (and LoRA file) under its root (see the
+        class docstring; with one diffusion stage the root is ``output_dir`` itself). A stage
+        that trains something else (the LM of ``unified_rl``) is saved by its method. Every rank
+        must call it: a sharded policy is gathered first."""
+        from .distributed import full_state
+        from .export import MODEL_DIR, export_lora, export_model, exportable_stages, has_lora
+
+        models = exportable_stages(stages)
+        for s in models:
+            state = full_state(s.policy)  # an all-gather under FSDP2, so on every rank
+            if self.output_dir is None or not self.dp.is_main:
+                continue
+            root = self.output_dir if len(models) == 1 else self.output_dir / s.name
+            trained = {"method": method, "step": step, "stage": s.name}
+            self.exported[s.name] = {"model": export_model(s.model, state, root / MODEL_DIR,
+                                                           trained, s.sync.component)}
+            if has_lora(s.policy) and s.sync.component == s.model.DIT:  # see export_lora
+                self.exported[s.name]["lora"] = export_lora(s.model, state, root)
+
+    def exported_paths(self) -> dict[str, dict[str, str]]:
+        """:attr:`exported` with the paths as strings (what a method's summary returns)."""
+        return {stage: {k: str(v) for k, v in paths.items()} for stage, paths in self.exported.items()}
 
     def write(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
@@ -189,15 +234,29 @@ class Timer:
 
 
 def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> list[dict[str, Any]]:
-    """The outer loop every method shares: resume from ``method.files``' latest checkpoint, then
-    call ``method.train_step()`` until ``method.config["steps"]``, with a progress bar showing
-    ``postfix`` from each record when ``method.progress`` is set."""
+    """The outer loop every method shares: resume from ``method.files``' latest checkpoint (and
+    say so), then call ``method.train_step()`` until ``method.config["steps"]``, with a progress
+    bar showing ``postfix`` from each record when ``method.progress`` is set; then, with an
+    ``output_dir``, save the final checkpoint and export every stage as a model
+    (:meth:`RunFiles.export`).
+
+    :raises FlowseamError: before the first step, if the run has an ``output_dir`` but a stage's
+        model cannot be exported (it was not loaded from a checkpoint directory).
+    """
+    from .export import check_exportable, exportable_stages
+
+    if method.files.output_dir is not None:
+        for s in exportable_stages(stages):
+            check_exportable(s.model)
     state = method.files.resume(stages)
+    dp = getattr(method, "dp", None) or DataParallel.single()
     if state is not None:
         method.step = state["step"]
         method.skipped_groups = state.get("skipped_groups", 0)
+        if method.progress and dp.is_main:
+            print(f"{desc}: resuming from {method.files.resumed_from.name} in "
+                  f"{method.files.output_dir} (step {method.step} of {method.config['steps']})")
     method.files.open(method.step)
-    dp = getattr(method, "dp", None) or DataParallel.single()
     records: list[dict[str, Any]] = []
     bar = None
     if method.progress and dp.is_main:
@@ -214,6 +273,10 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
             bar.close()
         method.files.close()
     check_replicas(dp, stages)
+    if method.files.output_dir is not None:
+        extra = {"skipped_groups": method.skipped_groups} if hasattr(method, "skipped_groups") else {}
+        method.files.maybe_checkpoint(method.step, stages, extra, final=True)
+        method.files.export(getattr(method, "name", desc), method.step, stages)
     return records
 
 

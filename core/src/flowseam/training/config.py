@@ -54,3 +54,31 @@ def section(config: dict[str, Any], name: str, defaults: dict[str, Any]) -> dict
     if unknown:
         raise FlowseamError(f"config [{name}] has unknown key(s) {unknown}; allowed: {sorted(defaults)}")
     return {**defaults, **given}
+
+
+def _toml_value(value: Any) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }" \
+            if value else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # numbers and strings (a JSON string is a TOML basic string)
+
+
+def as_toml(config: dict[str, Any], tables: tuple[str, ...] = (), comment: str = "") -> str:
+    """A config as TOML text: top-level keys, then one ``[table]`` per name in ``tables``. A key
+    whose value is None (no default: required, or chosen at run time) is written commented out.
+    ``comment`` opens the text as ``#`` lines."""
+    lines = [f"# {line}".rstrip() for line in comment.splitlines()] if comment else []
+
+    def entry(key: str, value: Any) -> str:
+        return f"# {key} =" if value is None else f"{key} = {_toml_value(value)}"
+
+    lines += [entry(k, v) for k, v in config.items() if k not in tables]
+    for name in tables:
+        lines += ["", f"[{name}]"] + [entry(k, v) for k, v in (config.get(name) or {}).items()]
+    return "\n".join(lines) + "\n"

@@ -18,7 +18,8 @@ Config::
     t2i_backend = "cpu"; i2v_backend = "cpu"   # optional
     prompts = [...]; reward = "brightness"; reward_args = {}
     group_size = 4; prompts_per_step = 1; steps = 10; seed = 0
-    output_dir = "runs/wf"; checkpoint_every = 0
+    output_dir = "runs/wf"; checkpoint_every = 0   # as flowgrpo's; each stage's model (and
+                                                   # LoRA file) under t2i/ and i2v/
     [t2i_sampling] / [i2v_sampling]  num_steps, height, width, num_frames, guidance_scale,
                                      noise_level, sde_window (as flowgrpo's [sampling])
     [grpo] [optim] [lora]            as for flowgrpo (shared by both stages)
@@ -65,8 +66,15 @@ from .common import (
     sync_updated,
 )
 from .config import section
-from .distributed import DataParallel, data_parallel
-from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling, check_top, sampling_params
+from .distributed import DISTRIBUTED_DEFAULTS, DataParallel, data_parallel
+from .flowgrpo import (
+    SAMPLING_DEFAULTS,
+    FlowGRPO,
+    check_sampling,
+    check_sampling_against,
+    check_top,
+    sampling_params,
+)
 from .grpo import GRPO_DEFAULTS, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import score
 
@@ -86,6 +94,17 @@ class WorkflowRL:
     """Flow-GRPO across the t2i → i2v workflow. ``WorkflowRL(config).run()``."""
 
     name = "workflow_rl"
+    #: the config's tables (``flowseam train --method workflow_rl --show-config``)
+    CONFIG_TABLES = ("t2i_sampling", "i2v_sampling", "grpo", "optim", "t2i_optim", "i2v_optim",
+                     "lora", "distributed")
+
+    @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        """Every config key with its default, tables as dicts (``[t2i_optim]`` and
+        ``[i2v_optim]`` take any ``[optim]`` key, for that stage only)."""
+        return {**TOP_DEFAULTS, "t2i_sampling": SAMPLING_DEFAULTS, "i2v_sampling": SAMPLING_DEFAULTS,
+                "grpo": GRPO_DEFAULTS, "optim": OPTIM_DEFAULTS, "lora": LORA_DEFAULTS,
+                "distributed": DISTRIBUTED_DEFAULTS}
 
     def __init__(self, config: dict[str, Any], t2i: ModelInstance | None = None,
                  i2v: ModelInstance | None = None, reward=None) -> None:
@@ -104,6 +123,8 @@ class WorkflowRL:
                                            "t2i_sampling")
         self.i2v_sampling = check_sampling(section(cfg, "i2v_sampling", SAMPLING_DEFAULTS),
                                            "i2v_sampling")
+        check_sampling_against(self.t2i, self.t2i_sampling, "t2i_sampling")
+        check_sampling_against(self.i2v, self.i2v_sampling, "i2v_sampling")
         self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
         optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
         self.stages = [Stage.create(name, model, section(cfg, f"{name}_optim", optim), lora,
@@ -171,11 +192,17 @@ class WorkflowRL:
         return record
 
     def run(self, progress: bool = True) -> dict[str, Any]:
-        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
+        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint); with an
+        ``output_dir`` the run ends with its final checkpoint and each stage's trained model
+        (``t2i/model/``, ``i2v/model/``; LoRA files beside them for a LoRA run).
+
+        :returns: ``{"steps", "records", "weights_versions", "exported": {stage: {"model", "lora"}}}``
+        """
         self.progress = progress
         records = run_training(self, self.stages, "workflow_rl", "reward_mean")
         return {"steps": self.step, "records": records,
-                "weights_versions": {s.name: s.sync.version for s in self.stages}}
+                "weights_versions": {s.name: s.sync.version for s in self.stages},
+                "exported": self.files.exported_paths()}
 
     def evaluate(self, seeds: list[int], prompts: list[str] | None = None) -> torch.Tensor:
         """Mean final-video reward per seed with ODE (serve) sampling: ``(len(seeds),)``."""
