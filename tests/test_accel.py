@@ -9,6 +9,7 @@ default tiny checkpoint to keep the cold compile short.
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
 from itertools import pairwise
 
@@ -277,6 +278,35 @@ def test_dit_is_compiled_in_place_and_equals_the_cpu_build(accel, cpu, tiny_wan)
     assert f"f32[1,{z},1,8,8], f32[1], f32[1,6,{dit.config.text_dim}], return_dict=bool" in after["signatures"]
     if after["compiles"] > before["compiles"]:
         assert after["compile_s"] - before["compile_s"] > after["run_s"] - before["run_s"]
+
+
+def test_a_first_call_says_it_may_compile_when_notices_are_on(accel, tiny_wan, monkeypatch,
+                                                              capsys):
+    """flowseam generate turns notices on: the first call of a compiled component with new
+    input shapes announces itself (a cold compile takes minutes on 2 cores and would look like
+    a hang), and says afterwards whether it compiled; later calls say nothing."""
+    from flowseam import console
+
+    monkeypatch.setattr(console, "_NOTICES", True)
+    spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
+    dit = accel.build_component("dit", spec)
+    z = dit.config.in_channels
+    latents, t = _rand(1, z, 1, 8, 8, seed=20), torch.tensor([700.0])
+    text = _rand(1, 6, dit.config.text_dim, seed=21)
+    with torch.no_grad():
+        dit(latents, t, text, return_dict=False)
+        dit(latents, t * 0.5, text, return_dict=False)
+    err = capsys.readouterr().err.splitlines()
+    message = ("accel: compiling dit:transformer for new input shapes with torch.compile "
+               "(first call; cached on disk afterwards)")
+    assert err[0] == f"{message} ..."  # stderr is not a terminal here: a start and an end line
+    assert re.fullmatch(re.escape(message) + r": (compiled|ready \(compiled before\)) in [0-9.]+ s",
+                        err[1]), err
+    assert len(err) == 2  # the second call, same shapes: no notice
+    monkeypatch.setattr(console, "_NOTICES", False)  # library use: silent
+    with torch.no_grad():
+        accel.build_component("dit", spec)(latents, t, text, return_dict=False)
+    assert capsys.readouterr().err == ""
 
 
 def test_vae_encoder_and_decoder_are_compiled_and_equal_the_cpu_build(accel, cpu, tiny_wan):

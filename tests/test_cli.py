@@ -155,3 +155,50 @@ def test_show_config_of_an_unknown_method_lists_the_registered_ones(capsys):
 
     assert main(["train", "--method", "nosuch", "--show-config"]) == 2
     assert "registered methods" in capsys.readouterr().err
+
+
+def test_load_and_tiny_checkpoints_keep_the_libraries_quiet_unless_verbose(tmp_path, capfd):
+    """No weight-loading bars, shard-writing bars or "experimental feature" notices from
+    diffusers and transformers unless asked; the program's own library settings survive."""
+    import diffusers
+    import transformers
+
+    from flowseam.testing.tiny import write_tiny_checkpoint
+
+    libs = (diffusers.utils.logging, transformers.utils.logging)
+    saved = [(lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs]
+    try:
+        for lib in libs:  # the libraries' own defaults, as a fresh program has them
+            lib.set_verbosity_warning()
+            lib.enable_progress_bar()
+        capfd.readouterr()
+        path = write_tiny_checkpoint("wan2.1-i2v", tmp_path / "quiet")
+        flowseam.load(path, platform=flowseam.Platform("cpu"))
+        quiet = capfd.readouterr()
+        # flowseam's own load line (the solver and where its settings came from), nothing else
+        lines = quiet.err.splitlines()
+        assert quiet.out == "" and len(lines) == 1 and lines[0].startswith(
+            "flowseam: loaded wan2.1-i2v from "), quiet.err
+        flowseam.load(path, platform=flowseam.Platform("cpu"), quiet=True)
+        assert capfd.readouterr() == ("", "")
+        assert [(lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs] == \
+            [(30, True), (30, True)]  # WARNING and bars on again: restored
+        write_tiny_checkpoint("wan2.1-i2v", tmp_path / "loud", verbose=True)
+        flowseam.load(tmp_path / "loud", platform=flowseam.Platform("cpu"), verbose=True)
+        loud = capfd.readouterr().err
+        assert "Writing model shards" in loud or "Loading weights" in loud, loud
+    finally:
+        for lib, (level, bars) in zip(libs, saved):
+            lib.set_verbosity(level)
+            (lib.enable_progress_bar if bars else lib.disable_progress_bar)()
+
+
+def test_dir_and_help_show_the_lazy_public_names():
+    import pydoc
+
+    names = dir(flowseam)
+    for name in ("load", "run_loop", "rollout_loop", "ExecutionProfile", "Platform", "DiffusionParams"):
+        assert name in names and name in flowseam.__all__
+    text = pydoc.render_doc(flowseam, renderer=pydoc.plaintext)
+    for name in ("load(", "run_loop(", "rollout_loop("):
+        assert name in text

@@ -179,11 +179,18 @@ def test_demo_smoke_builds_once_then_reuses_the_cache(tmp_path, capsys):
                               "--group-size", "2"]) == 0
         first = capsys.readouterr().out
         manifest = (tmp_path / "models" / "manifest.json").read_text()
-        assert main(common + ["--build-only"]) == 0
+        # without --backend: the table of the platform the demo runs on (cpu), and why not the
+        # highest-priority backend
+        assert main([a for a in common if a not in ("--backend", "cpu")] + ["--build-only"]) == 0
         second = capsys.readouterr().out
     finally:
         torch.set_num_threads(threads)
     assert "building" in first and "building" not in second and "using" in second
+    assert "Platform: backend 'cpu'" in second
+    detected = flowseam.Platform.detect().name
+    if detected != "cpu":
+        assert f"demo backend: cpu — the demo's default, so that no model waits for a compiler; " \
+               f"the highest-priority backend here is {detected!r}" in second
     assert (tmp_path / "models" / "manifest.json").read_text() == manifest  # never retrained
     assert "backend" in first.splitlines()[0] or "name" in first.splitlines()[0]  # the table
     out = tmp_path / "out"

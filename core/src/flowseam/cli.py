@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from .console import backend_rows, print_backend_table, quiet_libraries
+from .console import backend_rows, enable_notices, print_backend_table, quiet_libraries
 from .errors import FlowseamError
 
 
@@ -587,6 +587,7 @@ def version_text() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    enable_notices()  # a backend compiling on its first call says so (flowseam.console.long_wait)
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's final flush

@@ -1,11 +1,13 @@
-"""What the command line and the demo print: the backend table, and quiet libraries.
+"""What flowseam prints: the backend table, quiet libraries, and notices of long waits.
 
-Shared by :mod:`flowseam.cli` and :mod:`flowseam.demo` (which must not import each other).
+Shared by :mod:`flowseam.cli`, :mod:`flowseam.demo` (which must not import each other), the
+loaders and the backends (:func:`long_wait`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 from .errors import FlowseamError
 
@@ -170,6 +172,94 @@ def print_backend_table(rows: list[dict] | None = None, platform: Any = None,
     if platform is not None:
         print()
         print(platform.explain(verbose=verbose, width=width))
+
+
+@contextlib.contextmanager
+def library_output(verbose: bool = False) -> Iterator[None]:
+    """Within the block, unless ``verbose``: diffusers' and transformers' log messages below
+    ERROR (their "experimental feature" and fallback notices) and their progress bars (weight
+    loading, shard writing) are off. Their previous settings are restored on exit, so a
+    program's own choices survive a call to :func:`flowseam.load`."""
+    if verbose:
+        yield
+        return
+    import diffusers
+    import transformers
+
+    libs = (diffusers.utils.logging, transformers.utils.logging)
+    saved = [(lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs]
+    for lib in libs:
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib, (level, bars) in zip(libs, saved):
+            lib.set_verbosity(level)
+            (lib.enable_progress_bar if bars else lib.disable_progress_bar)()
+
+
+#: whether :func:`long_wait` tells the user (the command line turns it on)
+_NOTICES = False
+
+
+def enable_notices(on: bool = True) -> None:
+    """Turn :func:`long_wait`'s notices on (the ``flowseam`` command does; a program that wants
+    them calls this) or off (the default for library use)."""
+    global _NOTICES
+    _NOTICES = on
+
+
+def notices_enabled() -> bool:
+    """Whether :func:`long_wait` tells the user (:func:`enable_notices`)."""
+    return _NOTICES
+
+
+class Wait:
+    """What :func:`long_wait` yields: set :attr:`outcome` to finish its closing line
+    (``"compiled"``, ``"ready (compiled before)"``)."""
+
+    outcome = "done"
+
+
+@contextlib.contextmanager
+def long_wait(message: str) -> Iterator[Wait]:
+    """Tell the user about a one-off wait that would otherwise look like a hang, such as a
+    backend compiling a model on its first call. While the block runs, ``message`` and the
+    seconds elapsed on stderr (one line that ticks on a terminal; a start and an end line in a
+    log), then ``<message>: <outcome> in N s``. Silent unless notices are on
+    (:func:`enable_notices`). For backends: ``from flowseam.console import long_wait``."""
+    import sys
+    import threading
+    import time
+
+    wait = Wait()
+    if not _NOTICES:
+        yield wait
+        return
+    stream, start = sys.stderr, time.perf_counter()
+    ticking = stream.isatty()
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            stream.write(f"\r{message} ... {time.perf_counter() - start:.0f} s")
+            stream.flush()
+
+    stream.write(f"{message} ...{'' if ticking else chr(10)}")
+    stream.flush()
+    thread = threading.Thread(target=tick, daemon=True) if ticking else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield wait
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join()
+        stream.write(f"{chr(13) if ticking else ''}{message}: {wait.outcome} in "
+                     f"{time.perf_counter() - start:.1f} s\n")
+        stream.flush()
 
 
 def quiet_libraries() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .components import ComponentSpec
+from .console import library_output
 from .defaults import read_checkpoint_defaults
 from .errors import FlowseamError
 from .models import card_for_index, declared
@@ -57,7 +58,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
-         ignore_scheduler_options: Iterable[str] = (), quiet: bool = False) -> ModelInstance:
+         ignore_scheduler_options: Iterable[str] = (), quiet: bool = False,
+         verbose: bool = False) -> ModelInstance:
     """Load a diffusers-format checkpoint (WanPipeline, WanImageToVideoPipeline, Wan2.2's
     two-expert layouts of both, FluxPipeline, LTX2Pipeline, LTX2ImageToVideoPipeline, or
     flowseam's causal Wan layout) into a flowseam model instance.
@@ -80,12 +82,21 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     :param platform: default ``Platform.detect()``.
     :param ignore_scheduler_options: scheduler_config.json keys (or ``"_class_name"``) that
         flowseam does not implement, to ignore with a warning instead of refusing them.
+    :param quiet: do not print flowseam's load line.
+    :param verbose: let diffusers and transformers print their loading progress bars and
+        notices (off by default: :func:`flowseam.console.library_output`).
     :raises FlowseamError: for a missing directory, an unreachable hub, a missing or corrupt
         checkpoint file (``flowseam.json`` included), a checkpoint without a component its card
         needs (naming what is missing and what the card needs), a layout or scheduler option
         flowseam refuses (named in the message); all before any weights load.
     :raises ValueError: if no card matches the checkpoint's pipeline class.
     """
+    with library_output(verbose):
+        return _load(path_or_hub_id, platform, ignore_scheduler_options, quiet)
+
+
+def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
+          ignore_scheduler_options: Iterable[str], quiet: bool) -> ModelInstance:
     root = resolve_checkpoint(path_or_hub_id)
     index_file = root / "model_index.json"
     index = read_json(index_file)

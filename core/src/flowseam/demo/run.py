@@ -103,8 +103,16 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     quiet_libraries()
     out = Path(opts.output)
 
-    # 1. The backends.
-    print_backend_table()
+    # 1. The backends, and the platform the demo runs on. cpu unless asked: accel compiles every
+    # model per input shape (torch.compile), minutes of compilation on a 2-core machine before
+    # the first sample.
+    backend = opts.backend or DEFAULT_BACKEND
+    print_backend_table(backend=backend)
+    detected = Platform.detect().name
+    print(f"\ndemo backend: {backend}" + ("" if opts.backend or detected == backend else
+          f" — the demo's default, so that no model waits for a compiler; the highest-priority "
+          f"backend here is {detected!r} (flowseam generate's default): --backend {detected} "
+          "runs the demo on it"))
     print()
 
     # 2. The models: cached, shipped, or built now.
@@ -119,11 +127,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         summary["seconds_total"] = round(time.perf_counter() - started, 1)
         print(f"models ready in {build_seconds:.0f} s")
         return summary
-    # cpu unless asked: accel compiles every model per input shape (torch.compile), minutes of
-    # compilation on a 2-core machine before the first sample.
-    platform = Platform(opts.backend or DEFAULT_BACKEND)
-    print(f"demo backend: {platform.name}" + ("" if opts.backend else
-          " (the demo's default; --backend NAME picks another, e.g. one of the table's)"))
+    platform = Platform(backend)
     t2i = load(paths["digits-t2i"], platform=platform)
     i2v = load(paths["digits-i2v"], platform=platform)
     print(t2i.provenance())
