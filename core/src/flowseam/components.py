@@ -127,6 +127,46 @@ class ComponentRecord:
     dtype: str = ""
 
 
+def compute_dtype(obj: Any) -> Any:
+    """The lowest-precision floating-point dtype of ``obj``'s parameters (``torch.bfloat16`` for
+    a bf16 model with float32 norms), ``torch.float32`` when it has none (a tokenizer)."""
+    import torch
+
+    try:
+        found = {p.dtype for p in obj.parameters() if p.is_floating_point()}
+    except (AttributeError, TypeError):
+        found = set()
+    return min(found, key=lambda d: (d.itemsize, str(d))) if found else torch.float32
+
+
+def cast_inputs(module: Any, dtype: Any = None) -> Any:
+    """Make ``module`` cast its floating-point tensor inputs (positional and keyword, nested in
+    lists and tuples too) to ``dtype`` before ``forward`` runs: a forward pre-hook. For a
+    component a backend builds in reduced precision, so that a caller holding float32 tensors
+    (the conformance suite's replays, a workflow's other model, user code) can call it as it
+    calls the float32 build. Integer and bool tensors are left alone.
+
+    :param dtype: default :func:`compute_dtype` of ``module``.
+    :returns: ``module`` (the hook is registered in place).
+    """
+    import torch
+
+    dtype = compute_dtype(module) if dtype is None else dtype
+
+    def cast(value: Any) -> Any:
+        if torch.is_tensor(value) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(v) for v in value)
+        return value
+
+    def hook(_module: Any, args: tuple, kwargs: dict) -> tuple:
+        return cast(args), {k: cast(v) for k, v in kwargs.items()}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return module
+
+
 def module_dtype(obj: Any) -> str:
     """The floating-point dtypes of ``obj``'s parameters, lowest precision first, joined by
     ``+`` (``"float32"``; ``"bfloat16+float32"`` for a bf16 model that keeps its norms in

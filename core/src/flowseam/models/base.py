@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
+from ..components import compute_dtype
 from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents with it)
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
@@ -322,10 +323,11 @@ class ModelInstance:
             return torch.device("cpu")
 
     def component_dtype(self, name: str) -> torch.dtype:
-        try:
-            return next(self.components[name].parameters()).dtype
-        except (StopIteration, AttributeError):
-            return torch.float32
+        """The dtype the loop hands component ``name`` its inputs in: its parameters' lowest
+        precision (``bfloat16`` for a bf16 model that keeps its norms in float32, as diffusers'
+        ``_keep_in_fp32_modules`` do; the model upcasts inside those), float32 for an object
+        without floating-point parameters."""
+        return compute_dtype(self.components[name])
 
     def bump_version(self, name: str) -> int:
         """Mark ``name``'s weights as changed; caches keyed on them miss from now on."""
