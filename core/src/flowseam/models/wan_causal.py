@@ -126,8 +126,10 @@ class WanCausalT2V(WanT2V):
 
         :raises ValueError: naming the bad value and what is allowed.
         """
+        # the checkpoint's serving defaults (flowseam.json) come before its causal config
+        defaults = {**self.card_defaults, **self.serve_defaults}
         request = GenerationRequest(request.prompt, request.task,
-                                    request.params.with_defaults(self.card_defaults),
+                                    request.params.with_defaults(defaults),
                                     request.image, request.seeds)
         params = super().check(request)
         chunk = params.chunk_frames
