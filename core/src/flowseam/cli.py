@@ -28,8 +28,53 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+#: request fields → the generate flags that set them (errors speak the command line's words)
+GENERATE_FLAGS = {
+    "num_steps": "--steps", "guidance_scale": "--guidance", "flow_shift": "--flow-shift",
+    "num_frames": "--frames", "negative_prompt": "--negative-prompt", "height": "--height",
+    "width": "--width", "max_sequence_length": "--max-sequence-length", "seed": "--seed",
+    "prompt": "--prompt", "chunk_frames": "--chunk-frames", "local_attn_size": "--local-attn-size",
+    "sink_size": "--sink-size",
+}
+
+
+def in_cli_words(message: str) -> str:
+    """A library error about a request, in the generate command's words: ``num_frames=6 ...``
+    → ``--frames=6 ...``, ``pass image= (...)`` → ``pass --image PATH``."""
+    import re
+
+    fields = "|".join(GENERATE_FLAGS)
+    message = re.sub(r"pass image= \([^)]*\([^)]*\)[^)]*\)", "pass --image PATH", message)
+    message = re.sub(rf"^({fields})\b(?!=)", lambda m: GENERATE_FLAGS[m.group(1)], message)
+    return re.sub(rf"(?<![\w-])({fields})=", lambda m: f"{GENERATE_FLAGS[m.group(1)]}=", message)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate an image or video (or run a workflow) and write it atomically."""
+    """Generate an image or video (or run a workflow) and write it atomically; errors about the
+    request are reported with the command's flags."""
+    try:
+        return _generate(args)
+    except ValueError as exc:
+        raise ValueError(in_cli_words(str(exc))) from exc
+
+
+def _check_image_flag(args: argparse.Namespace) -> None:
+    """--image against the checkpoint's card (read from model_index.json, before any model
+    loads): an image-to-video model needs one, the others take none."""
+    from .loading import read_json, resolve_checkpoint
+    from .models import card_for_index
+    from .request import TaskType
+
+    root = resolve_checkpoint(args.model[0])
+    card = card_for_index(read_json(root / "model_index.json"), str(root / "model_index.json"))
+    if TaskType.I2V in card.tasks and args.image is None:
+        raise ValueError(f"--image is required: {args.model[0]} is {card.name}, image to video "
+                         "(pass --image PATH: the first frame)")
+    if TaskType.I2V not in card.tasks and args.image is not None:
+        raise ValueError(f"--image: {args.model[0]} is {card.name}, which takes no image")
+
+
+def _generate(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
@@ -59,6 +104,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              f"image, then image-to-video); got {len(args.model)}")
     elif len(args.model) != 1:
         raise ValueError(f"give one --model (got {len(args.model)}); two are for --workflow t2i-i2v")
+    else:
+        _check_image_flag(args)
     params = DiffusionParams(num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
                              height=args.height, width=args.width, num_frames=args.frames,
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
