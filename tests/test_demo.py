@@ -200,6 +200,9 @@ def test_demo_smoke_builds_once_then_reuses_the_cache(tmp_path, capsys):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rl_steps"] == 1 and summary["backend"] == "cpu"
+    # the post-trained stages are models generate takes
+    assert summary["trained_models"] == {s: str(out / "rl" / s / "model") for s in ("t2i", "i2v")}
+    assert f"trained t2i model: {out / 'rl' / 't2i' / 'model'}" in first
     assert {"reward_before", "reward_after", "generated_digit_accuracy_before"} <= set(summary)
     from flowseam.demo.build import read_recipes
 

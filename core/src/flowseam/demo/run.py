@@ -176,6 +176,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "reward_before": {"mean": float(reward_before.mean()), "std": float(reward_before.std())},
         "reward_after": {"mean": float(reward_after.mean()), "std": float(reward_after.std())},
         "t2i_weights_changed": bool(t2i_changed),
+        "trained_models": {k: v["model"] for k, v in result.get("exported", {}).items()},
         "generated_digit_accuracy_before": acc_before, "generated_digit_accuracy_after": acc_after,
         "workflow_video_accuracy_before": video_accuracy(prompts, before, px_video),
         "workflow_video_accuracy_after": video_accuracy(prompts, after, px_video),
@@ -192,6 +193,9 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
           f"{acc_before['accuracy']:.0%} before RL, {acc_after['accuracy']:.0%} after")
     print(f"metrics: {out / 'rl' / 'metrics.jsonl'}; plot: {out / 'reward.png'}; "
           f"summary: {out / 'summary.json'}")
+    for stage, paths in result.get("exported", {}).items():
+        print(f"trained {stage} model: {paths['model']} (flowseam generate --model "
+              f"{paths['model']} ...)")
     print(f"demo finished in {summary['seconds_total']:.0f} s")
     return summary
 
