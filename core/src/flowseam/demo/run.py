@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,9 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
     # 4. workflow_rl on the digit_video reward, with held-out evaluations before and after.
     seeds = list(range(EVAL_SEED_BASE, EVAL_SEED_BASE + opts.eval_seeds))
+    # every demo run trains from the shipped models: a previous run's rl/ (its final checkpoint
+    # would be resumed) goes, as its videos and figures are rewritten
+    shutil.rmtree(out / "rl", ignore_errors=True)
     config = rl_config(prompts, opts.steps, opts.group_size, t2i_params, i2v_params,
                        output_dir=str(out / "rl"))
     rl = WorkflowRL(config, t2i=t2i, i2v=i2v)
