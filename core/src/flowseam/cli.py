@@ -34,7 +34,8 @@ GENERATE_FLAGS = {
     "num_frames": "--frames", "negative_prompt": "--negative-prompt", "height": "--height",
     "width": "--width", "max_sequence_length": "--max-sequence-length", "seed": "--seed",
     "prompt": "--prompt", "chunk_frames": "--chunk-frames", "local_attn_size": "--local-attn-size",
-    "sink_size": "--sink-size",
+    "sink_size": "--sink-size", "guidance_scale_2": "--guidance-2", "stages": "--stages",
+    "audio_guidance_scale": "--audio-guidance", "frame_rate": "--fps",
 }
 
 

@@ -150,7 +150,7 @@ class LTX2T2V(ModelInstance):
 
     # -- 1. check -----------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
-        params = request.params.with_defaults(self.card.defaults)
+        params = request.params.with_defaults(self.defaults)  # flowseam.json, then the card
         check_common(params, request)
         check_frames(params.num_frames, self.vae_temporal, "LTX-2's video VAE")
         if params.flow_shift is not None:
