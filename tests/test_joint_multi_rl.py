@@ -157,9 +157,15 @@ def test_resume_is_bit_identical(ckpt, cpu, tmp_path):
     half = _joint(ckpt, cpu, steps=1, checkpoint_every=1, output_dir=str(tmp_path / "b"))
     half.run(progress=False)
     resumed = _joint(ckpt, cpu, steps=2, checkpoint_every=1, output_dir=str(tmp_path / "b"))
-    resumed.run(progress=False)
+    out = resumed.run(progress=False)
     for name in EXPERTS:
         assert all(torch.equal(p, q) for p, q in zip(straight.model.experts[name].parameters(),
+                                                     resumed.model.experts[name].parameters()))
+    # the run ends as one model with both trained experts in place
+    assert out["exported"] == {name: {"model": str(tmp_path / "b" / "model")} for name in EXPERTS}
+    exported = flowseam.load(tmp_path / "b" / "model", platform=cpu, quiet=True)
+    for name in EXPERTS:
+        assert all(torch.equal(p, q) for p, q in zip(exported.experts[name].parameters(),
                                                      resumed.model.experts[name].parameters()))
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("seconds_")} for r in rs]  # noqa: E731
     ma, mb = (read_metrics(tmp_path / d / "metrics.jsonl") for d in "ab")

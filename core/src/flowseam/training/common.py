@@ -182,24 +182,33 @@ class RunFiles:
              **extra})
 
     def export(self, method: str, step: int, stages: list[Stage]) -> None:
-        """Write each diffusion stage's trained model (and LoRA file) under its root (see the
-        class docstring; with one diffusion stage the root is ``output_dir`` itself). A stage
-        that trains something else (the LM of ``unified_rl``) is saved by its method. Every rank
-        must call it: a sharded policy is gathered first."""
+        """Write each trained diffusion model (and LoRA file) under its root (see the class
+        docstring): one ``model/`` per model instance, with every component its stages trained
+        (both experts of a Wan2.2 model in ``joint_multi_rl``); the root is ``output_dir`` when
+        the run trains one model, else ``output_dir/<stage>``. A stage that trains something
+        else (the LM of ``unified_rl``) is saved by its method. Every rank must call it: a
+        sharded policy is gathered first.
+        """
         from .distributed import full_state
         from .export import MODEL_DIR, export_lora, export_model, exportable_stages, has_lora
 
-        models = exportable_stages(stages)
-        for s in models:
-            state = full_state(s.policy)  # an all-gather under FSDP2, so on every rank
+        groups: dict[int, list[Stage]] = {}
+        for s in exportable_stages(stages):
+            groups.setdefault(id(s.model), []).append(s)
+        for group in groups.values():
+            # an all-gather under FSDP2, so on every rank
+            states = {s.sync.component: full_state(s.policy) for s in group}
             if self.output_dir is None or not self.dp.is_main:
                 continue
-            root = self.output_dir if len(models) == 1 else self.output_dir / s.name
-            trained = {"method": method, "step": step, "stage": s.name}
-            self.exported[s.name] = {"model": export_model(s.model, state, root / MODEL_DIR,
-                                                           trained, s.sync.component)}
-            if has_lora(s.policy) and s.sync.component == s.model.DIT:  # see export_lora
-                self.exported[s.name]["lora"] = export_lora(s.model, state, root)
+            model = group[0].model
+            root = self.output_dir if len(groups) == 1 else self.output_dir / group[0].name
+            trained = {"method": method, "step": step,
+                       "stage": ", ".join(s.name for s in group)}
+            path = export_model(model, states, root / MODEL_DIR, trained)
+            for s in group:
+                self.exported[s.name] = {"model": path}
+                if has_lora(s.policy) and s.sync.component == model.DIT:  # see export_lora
+                    self.exported[s.name]["lora"] = export_lora(model, states[model.DIT], root)
 
     def exported_paths(self) -> dict[str, dict[str, str]]:
         """:attr:`exported` with the paths as strings (what a method's summary returns)."""

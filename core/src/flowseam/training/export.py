@@ -90,24 +90,25 @@ def _holding(model: ModelInstance, state: dict[str, torch.Tensor],
     return module
 
 
-def export_model(model: ModelInstance, state: dict[str, torch.Tensor], target: str | Path,
-                 trained: dict[str, Any], component: str | None = None) -> Path:
-    """Write the directory ``target``: ``model``'s checkpoint with the transformer (or the DiT
-    expert ``component``, e.g. ``transformer_2``) replaced by ``state`` (merged), atomically.
+def export_model(model: ModelInstance, states: dict[str, dict[str, torch.Tensor]],
+                 target: str | Path, trained: dict[str, Any]) -> Path:
+    """Write the directory ``target``: ``model``'s checkpoint with each trained component
+    replaced, atomically. ``states`` maps a component name (``transformer``; a Wan2.2 model's
+    ``transformer_2`` too) to its trained weights by parameter name (LoRA adapters are merged).
     ``trained`` goes into ``flowseam.json``'s ``trained`` table.
 
     :returns: ``target``.
     """
     check_exportable(model)
-    component = component or model.DIT
     source, final = Path(model.path), Path(target)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         shutil.copytree(source, tmp, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(component, *_NOT_COPIED))
-        merged_copy(model, state, component).save_pretrained(tmp / component,
-                                                             safe_serialization=True)
+                        ignore=shutil.ignore_patterns(*states, *_NOT_COPIED))
+        for component, state in states.items():
+            merged_copy(model, state, component).save_pretrained(tmp / component,
+                                                                 safe_serialization=True)
         write_checkpoint_defaults(tmp, read_checkpoint_defaults(source),
                                   {**trained, "base_model": str(source)})
         os.chmod(tmp, 0o755)

@@ -350,5 +350,5 @@ class Finetune:
 
         :raises FlowseamError: if the model was not loaded from a checkpoint directory.
         """
-        return export_model(self.model, full_state(self.stage.policy), path,
+        return export_model(self.model, {self.model.DIT: full_state(self.stage.policy)}, path,
                             {"method": self.name, "step": self.step, "stage": self.stage.name})
