@@ -174,5 +174,31 @@ def test_a_dtype_mismatch_in_a_component_names_the_dtypes_and_the_fix():
     assert "Linear.forward failed in the serve loop: the component's parameters are bfloat16, " \
            "its floating-point inputs were float32: RuntimeError" in text
     assert "flowseam.components.cast_inputs(module)" in text
-    out = _Recorder(cast_inputs(module), [])(torch.randn(2, 4))
+    out = _Recorder(cast_inputs(module, names=("input",)), [])(torch.randn(2, 4))
     assert out.dtype is torch.bfloat16 and out.shape == (2, 3)
+
+
+def test_cast_inputs_casts_the_activations_and_leaves_timesteps_and_coordinates_alone():
+    """As diffusers' pipelines do: latents and embeddings in the model's dtype, the timestep
+    and the RoPE coordinates in float32 (bfloat16 cannot hold 999.0 - 0.5: it rounds to 1000)."""
+    from flowseam.components import cast_inputs
+
+    seen = {}
+
+    class DiT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4).to(torch.bfloat16)
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states=None, video_coords=None):
+            seen.update(hidden_states=hidden_states.dtype, timestep=timestep,
+                        encoder_hidden_states=encoder_hidden_states.dtype, video_coords=video_coords)
+            return self.proj(hidden_states)
+
+    t, coords = torch.tensor([998.5]), torch.arange(300.0).reshape(1, 3, 100)
+    cast_inputs(DiT())(torch.randn(1, 4), t, encoder_hidden_states=torch.randn(1, 2, 4),
+                       video_coords=coords)
+    assert seen["hidden_states"] is torch.bfloat16 and seen["encoder_hidden_states"] is torch.bfloat16
+    assert seen["timestep"].dtype is torch.float32 and float(seen["timestep"]) == 998.5
+    assert float(t.to(torch.bfloat16)) != 998.5  # what casting it would have done
+    assert seen["video_coords"] is coords

@@ -139,19 +139,34 @@ def compute_dtype(obj: Any) -> Any:
     return min(found, key=lambda d: (d.itemsize, str(d))) if found else torch.float32
 
 
-def cast_inputs(module: Any, dtype: Any = None) -> Any:
-    """Make ``module`` cast its floating-point tensor inputs (positional and keyword, nested in
-    lists and tuples too) to ``dtype`` before ``forward`` runs: a forward pre-hook. For a
-    component a backend builds in reduced precision, so that a caller holding float32 tensors
-    (the conformance suite's replays, a workflow's other model, user code) can call it as it
-    calls the float32 build. Integer and bool tensors are left alone.
+#: the inputs :func:`cast_inputs` casts by default: the activations diffusers' pipelines hand a
+#: transformer (or a VAE) in its dtype — latents and embeddings. Timesteps, sigmas, RoPE
+#: coordinates, position ids and masks stay as the caller gave them (float32), as in diffusers'
+#: pipelines: in bfloat16 a timestep near 1000 or a video coordinate would lose its low bits
+#: before the model's own float32 embedding of it.
+ACTIVATIONS = ("hidden_states", "encoder_hidden_states", "audio_hidden_states",
+               "audio_encoder_hidden_states", "encoder_hidden_states_image",
+               "pooled_projections", "sample", "x", "z")
+
+
+def cast_inputs(module: Any, dtype: Any = None, names: tuple[str, ...] = ACTIVATIONS) -> Any:
+    """Make ``module`` cast its floating-point tensor inputs named in ``names`` (positional or
+    keyword, nested in lists and tuples too) to ``dtype`` before ``forward`` runs: a forward
+    pre-hook. For a component a backend builds in reduced precision, so that a caller holding
+    float32 tensors (the conformance suite's replays, a workflow's other model, user code) can
+    call it as it calls the float32 build. Other inputs (:data:`ACTIVATIONS`), integer and bool
+    tensors are left alone.
 
     :param dtype: default :func:`compute_dtype` of ``module``.
+    :param names: the ``forward`` parameters to cast.
     :returns: ``module`` (the hook is registered in place).
     """
+    import inspect
+
     import torch
 
     dtype = compute_dtype(module) if dtype is None else dtype
+    positional = list(inspect.signature(module.forward).parameters)
 
     def cast(value: Any) -> Any:
         if torch.is_tensor(value) and value.is_floating_point() and value.dtype != dtype:
@@ -161,7 +176,9 @@ def cast_inputs(module: Any, dtype: Any = None) -> Any:
         return value
 
     def hook(_module: Any, args: tuple, kwargs: dict) -> tuple:
-        return cast(args), {k: cast(v) for k, v in kwargs.items()}
+        args = tuple(cast(v) if i < len(positional) and positional[i] in names else v
+                     for i, v in enumerate(args))
+        return args, {k: cast(v) if k in names else v for k, v in kwargs.items()}
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
     return module
