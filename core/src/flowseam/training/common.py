@@ -304,41 +304,6 @@ def check_replicas(dp: DataParallel, stages: list[Stage]) -> None:
                             "from rank 0 after training")
 
 
-def save_model(model: ModelInstance, path: str | Path, modules: dict[str, torch.nn.Module]) -> Path:
-    """Write ``model``'s checkpoint directory with ``modules`` (component name → trained
-    module, e.g. every DiT expert) in place of those components, as a diffusers-format
-    checkpoint that ``flowseam.load`` and diffusers' pipelines read: copied to a temporary
-    sibling, then renamed into place (no half-written output). A module with peft LoRA adapters
-    is written with them fused into its weights (diffusers' ``fuse_lora`` then ``unload_lora``,
-    on a copy), so loading needs no peft.
-
-    :raises FlowseamError: for a model that was not loaded from a checkpoint directory.
-    """
-    import shutil
-
-    if model.path is None:
-        raise FlowseamError("cannot save: the model was not loaded from a checkpoint directory")
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(model.path, tmp)
-        for name, module in modules.items():
-            if getattr(module, "peft_config", None):
-                module = copy.deepcopy(module)
-                module.fuse_lora()
-                module.unload_lora()
-            shutil.rmtree(tmp / name)
-            module.save_pretrained(tmp / name)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
 def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
     """``reward_mean`` and ``reward_std`` (population) of the finite entries of ``rewards``
     (NaN when none is finite)."""
