@@ -113,7 +113,13 @@ def _generate(args: argparse.Namespace) -> int:
                              chunk_frames=args.chunk_frames, local_attn_size=args.local_attn_size,
                              sink_size=args.sink_size, guidance_scale_2=args.guidance_2,
                              stages=args.stages, audio_guidance_scale=args.audio_guidance,
-                             max_sequence_length=args.max_sequence_length)
+                             max_sequence_length=args.max_sequence_length,
+                             lora=tuple(args.lora or ()), cache=args.cache)
+    for spec in params.lora:  # before any model loads
+        if not Path(spec.path).is_file():
+            raise ValueError(f"--lora {spec.path} does not exist")
+        if args.workflow is not None:
+            raise ValueError("--lora applies to one model; a --workflow runs two")
     ignore = tuple(args.ignore_scheduler_option or ())
     backends = args.backend or [None]
     if len(backends) > (2 if args.workflow else 1):
@@ -173,7 +179,12 @@ def _generate(args: argparse.Namespace) -> int:
             f"{frames.shape[1]} frame(s) of {frames.shape[2]}x{frames.shape[3]}"
             + (f" with {audio.shape[0]}-channel AAC audio" if audio is not None else ""))
     # one line: the output, then per model where its parts came from and the solver that ran
-    print(f"wrote {args.output} ({what}) in {seconds:.2f} s | "
+    lora = f" | {models[0].adapters.describe(params.lora)}" if params.lora else ""
+    cached = [r.cache for r in runs if r.cache]
+    if cached:
+        lora += " | cache " + ", ".join(f"{c['policy']}: {c['steps_computed']} steps computed, "
+                                        f"{c['steps_skipped']} skipped" for c in cached)
+    print(f"wrote {args.output} ({what}) in {seconds:.2f} s{lora} | "
           + " | ".join(f"{m.provenance(solver=False)}; {r.solver or m.solver_line()}"
                        for m, r in zip(models, runs)))
     return 0
@@ -298,7 +309,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, api_key=args.api_key or os.environ.get("FLOWSEAM_API_KEY"),
         max_queue=args.max_queue, max_batch=args.max_batch, output_dir=args.output_dir,
         expire_after=args.expire_after, max_upload_mb=args.max_upload_mb,
-        log_level=args.log_level, threads=args.threads))
+        log_level=args.log_level, threads=args.threads, loras=args.lora or []))
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -479,6 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "with a warning instead of refusing (repeatable; _class_name runs the "
                         "card's default scheduler)")
     g.add_argument("--negative-prompt")
+    g.add_argument("--cache", metavar="NAME:THRESHOLD",
+                   help="adaptive step caching: skip the DiT on steps where its velocity "
+                        "changes little (reuse or extrapolate, e.g. extrapolate:0.1); off by default")
+    g.add_argument("--lora", action="append", metavar="PATH[:WEIGHT][@EXPERT]",
+                   help="a LoRA .safetensors file (diffusers/peft, kohya or ComfyUI layout) with "
+                        "its weight (default 1.0) and, for Wan2.2, the expert (transformer_2); "
+                        "repeat for several adapters")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default 0)")
     g.add_argument("--frames", type=int, help="video length in frames (Wan: 4k+1)")
     g.add_argument("--height", type=int, help="pixels")
@@ -568,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int,
                    help="torch CPU threads (default: torch's, one per core); on a shared or "
                         "small CPU machine fewer threads than cores often run faster")
+    s.add_argument("--lora", action="append", metavar="PATH",
+                   help="a LoRA .safetensors file loaded at start into every model it fits; "
+                        "requests name loaded files in their 'lora' field (repeatable)")
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="list where the demo models are installed",

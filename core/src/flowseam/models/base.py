@@ -32,6 +32,7 @@ from ..request import DiffusionParams, GenerationRequest, TaskType
 from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..adapters import AdapterSet
     from ..loops import Chunk, LoopResult
     from ..platform import Platform
 
@@ -230,6 +231,16 @@ class ModelInstance:
         return clone
 
     @property
+    def adapters(self) -> "AdapterSet":
+        """The model's LoRA adapters (:class:`flowseam.adapters.AdapterSet`): read once, switched
+        per request by the loop (``DiffusionParams.lora``)."""
+        if getattr(self, "_adapters", None) is None:
+            from ..adapters import AdapterSet
+
+            self._adapters = AdapterSet(self)
+        return self._adapters
+
+    @property
     def experts(self) -> dict[str, torch.nn.Module]:
         """The DiT experts, high-noise first: component name → module (one for Wan2.1/FLUX.1)."""
         return {name: self.components[name] for name in self.card.experts if name in self.components}
@@ -414,6 +425,23 @@ class ModelInstance:
         :raises ValueError: for an expert name the model does not have.
         """
         raise NotImplementedError
+
+    def num_branches(self, cond: Conditioning) -> int:
+        """How many guidance branches :meth:`branch_velocity` has (2 for CFG; 1 by default)."""
+        return 1
+
+    def branch_velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                        params: DiffusionParams, branches: list[int],
+                        dit: torch.nn.Module | None = None,
+                        expert: str | None = None) -> list[torch.Tensor]:
+        """The unguided velocity of each of ``branches`` (one DiT call), for a step cache that
+        keeps one history per branch (:mod:`flowseam.loops.step_cache`); :meth:`guide`
+        combines them. One branch by default: the velocity itself."""
+        return [self.velocity(latents, timestep, cond, params, dit=dit, expert=expert)]
+
+    def guide(self, branches: list[torch.Tensor], params: DiffusionParams, expert: str) -> torch.Tensor:
+        """The guided velocity from every branch's velocity (the one branch by default)."""
+        return branches[0]
 
     def _expert(self, timestep: torch.Tensor, expert: str | None,
                 dit: torch.nn.Module | None) -> tuple[str, torch.nn.Module]:
