@@ -381,11 +381,11 @@ def test_switching_adapters_on_accel_never_recompiles(checkpoints, loras, cpu):
 # -- a LoRA trained by RL, served with --lora and by diffusers -------------------------------------
 
 @pytest.mark.backends
-def test_a_flowgrpo_lora_saves_as_a_file_flowseam_and_diffusers_load_alike(cpu, tmp_path):
+def test_a_flowgrpo_lora_file_loads_with_lora_and_in_diffusers_alike(cpu, tmp_path):
     """flowgrpo trains a rank-4 LoRA (alpha 8: scale 2, carried in the file's metadata) for two
-    steps; ``save_lora`` writes it; a fresh model with ``lora=(file,)`` and diffusers'
-    ``load_lora_weights(file)`` both reproduce the trained model's frames."""
-    from flowseam.adapters import save_lora
+    steps and its run ends by writing ``<output_dir>/pytorch_lora_weights.safetensors``; a fresh
+    model with ``lora=(file,)`` and diffusers' ``load_lora_weights(file)`` both reproduce the
+    trained model's frames."""
     from flowseam.testing.tiny import write_tiny_checkpoint
     from flowseam.training.flowgrpo import FlowGRPO
 
@@ -393,12 +393,12 @@ def test_a_flowgrpo_lora_saves_as_a_file_flowseam_and_diffusers_load_alike(cpu, 
     sampling = dict(num_steps=3, height=32, width=32, max_sequence_length=16, guidance_scale=3.5)
     cfg = dict(prompts=["a ball", "a box"], reward="brightness", group_size=2, steps=2, seed=0,
                sampling=sampling, grpo=dict(beta=0.0, clip_range=0.2), optim=dict(lr=3e-2),
-               lora=dict(rank=4, alpha=8))
+               lora=dict(rank=4, alpha=8), output_dir=str(tmp_path / "run"))
     trainer = FlowGRPO(cfg, model=flowseam.load(path, platform=cpu, quiet=True))
     trainer.run(progress=False)
     params = DiffusionParams(**sampling, seed=5)
     trained = trainer.model.generate("a ball", params=params).frames
-    file = save_lora(trainer.model.dit, tmp_path / "out" / "policy.safetensors", "FluxPipeline")
+    file = tmp_path / "run" / "pytorch_lora_weights.safetensors"
     fresh = flowseam.load(path, platform=cpu, quiet=True)
     base = fresh.generate("a ball", params=params).frames
     served = fresh.generate("a ball", params=params.replace(lora=(str(file),))).frames
