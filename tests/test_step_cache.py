@@ -168,10 +168,17 @@ def test_rollouts_refuse_a_cache_unless_asked_and_then_say_so(cpu, tmp_path_fact
 
 
 @pytest.mark.backends
-def test_causal_card_refuses_a_cache(cpu, tmp_path_factory):
+def test_causal_and_ltx2_cards_refuse_what_their_loops_do_not_apply(cpu, tmp_path_factory):
+    """The causal card refuses a cache policy; LTX-2 refuses a cache policy and a LoRA set
+    (its loop applies neither), before any model runs."""
     model = flowseam.load(_tiny("wan2.1-causal-t2v", tmp_path_factory), platform=cpu, quiet=True)
     with pytest.raises(ValueError, match="step caching runs in the flow_match loop"):
         model.generate("x", params=DiffusionParams(cache="reuse:0.1", height=32, width=32))
+    ltx = flowseam.load(_tiny("ltx2-t2v", tmp_path_factory), platform=cpu, quiet=True)
+    for bad, match in ((dict(cache="reuse:0.1"), "cache=reuse:0.1: ltx2-t2v runs the ltx2 loop"),
+                       (dict(lora=["x.safetensors"]), "lora: ltx2-t2v runs the ltx2 loop")):
+        with pytest.raises(ValueError, match=match):
+            ltx.generate("x", params=DiffusionParams(**bad))
 
 
 @pytest.mark.backends
