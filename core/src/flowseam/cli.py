@@ -35,7 +35,8 @@ GENERATE_FLAGS = {
     "width": "--width", "max_sequence_length": "--max-sequence-length", "seed": "--seed",
     "prompt": "--prompt", "chunk_frames": "--chunk-frames", "local_attn_size": "--local-attn-size",
     "sink_size": "--sink-size", "guidance_scale_2": "--guidance-2", "stages": "--stages",
-    "audio_guidance_scale": "--audio-guidance", "frame_rate": "--fps",
+    "audio_guidance_scale": "--audio-guidance", "frame_rate": "--fps", "cache": "--cache",
+    "lora": "--lora",
 }
 
 
