@@ -204,14 +204,20 @@ def test_demo_smoke_builds_once_then_reuses_the_cache(tmp_path, capsys):
     assert summary["trained_models"] == {s: str(out / "rl" / s / "model") for s in ("t2i", "i2v")}
     assert f"trained t2i model: {out / 'rl' / 't2i' / 'model'}" in first
     assert {"reward_before", "reward_after", "generated_digit_accuracy_before"} <= set(summary)
+    from flowseam.defaults import read_checkpoint_defaults
     from flowseam.demo.build import read_recipes
 
     recipes = read_recipes()
     for stage in ("digits-t2i", "digits-i2v"):
         loaded = flowseam.load(tmp_path / "models" / stage, platform=flowseam.Platform("cpu"))
         assert loaded.card.name == ("flux.1-t2i" if stage == "digits-t2i" else "wan2.1-i2v")
-        # the recipe's [serve] settings are the built model's own serving defaults
-        assert loaded.serve_defaults == recipes[stage].config["serve"]
+        # the recipe's [serve] settings are the built model's own serving defaults (its
+        # flow_shift is a solver setting: the solver takes it at load and says where it came from)
+        serve = recipes[stage].config["serve"]
+        assert read_checkpoint_defaults(tmp_path / "models" / stage) == serve
+        assert loaded.serve_defaults == {k: v for k, v in serve.items() if k != "flow_shift"}
+        if "flow_shift" in serve:
+            assert f"shift={float(serve['flow_shift'])} (flowseam.json)" in loaded.solver_line()
 
 
 def test_the_shipped_weights_match_the_recipes_so_a_first_run_never_builds():
