@@ -52,6 +52,7 @@ class _Entry:
 
 
 _ENTRIES: dict[str, _Entry] = {}
+_SEEN: dict[str, set[str]] = {}  # input signatures announced per entry name (see Timed)
 
 
 def compile_report() -> dict[str, Any]:
@@ -114,12 +115,13 @@ class Timed:
     When flowseam's notices are on (the ``flowseam`` command turns them on), the first call with
     each input signature is announced with :func:`flowseam.console.long_wait` — a compile takes
     minutes on a small CPU and would otherwise look like a hang — and its closing line says
-    whether it compiled."""
+    whether it compiled. Wrappers with the same ``name`` (the blocks of one class in a regionally
+    compiled DiT) share what they have seen, so a signature is announced once per name."""
 
     def __init__(self, name: str, fn: Callable) -> None:
         self.name = name
         self.fn = fn
-        self._seen: set[str] = set()
+        self._seen = _SEEN.setdefault(name, set())
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
