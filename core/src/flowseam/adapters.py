@@ -377,7 +377,9 @@ class AdapterSet:
     def _state(self, name: str) -> _Expert:
         if name not in self._experts:
             module = self.model.experts[name]
-            compiled = getattr(module, "_compiled_call_impl", None) is not None
+            # compiled whole or, as accel does, block by block (regional compilation)
+            compiled = any(getattr(m, "_compiled_call_impl", None) is not None
+                           for m in module.modules())
             foreign = sorted(set(getattr(module, "peft_config", {})))
             if foreign:
                 raise FlowseamError(f"{self.model.card.name}'s {name} already has peft adapters "
