@@ -72,7 +72,7 @@ def test_the_provenance_line_marks_every_fallback_and_names_dtypes(tmp_path):
         record = model.component_records[name]
         assert (device, plugin, dtype) == (record.device, record.plugin, "float32"), line
         assert bool(marked) == (device != first), line
-    kernels = re.findall(r"(\w+)=(\w+):\w+:(\w+):\S+?==\S+?( \(fallback\))?(?:,|$)", line)
+    kernels = re.findall(r"(\w+)=(\w+):\w+:(\w+):\S+?==\S+?( \(fallback\))?(?:,|;|$)", line)
     assert {k[0] for k in kernels} == set(platform.kernels.ops()), line
     for op, plugin, device, marked in kernels:
         assert bool(marked) == (device != first), line

@@ -371,7 +371,7 @@ def test_every_step_runs_the_platforms_kernel_and_components_fall_back_visibly(c
         assert f"stage 2: flow_renoise [{renoise.impl_id}] to sigma 0.909375" in result.solver
         # 5 DiT calls x 2 blocks x 6 attentions (video, audio, 2 text cross, a2v, v2a)
         assert len(seen) == 5 * 2 * 6
-        assert "testdev_a" in model.provenance() and "audio_vae=cpu/cpu (fallback)" in model.provenance()
+        assert "testdev_a" in model.provenance() and "audio_vae=cpu/cpu float32 (fallback)" in model.provenance()
     flowseam.plugins._CACHE = None
 
 
