@@ -34,7 +34,9 @@ compiled in place.
 Other kinds are not declared (see :func:`flowseam_accel.plugin.flowseam_component_kinds`) and
 fall back to cpu; ``text_encoder`` is left out on purpose, so that fallback is exercised.
 
-Every component is compiled with ``dynamic=True``: sizes are symbols in the graph, so one graph
+The DiT's blocks are compiled with ``dynamic=True`` (the VAE's encoder and decoder stay
+``dynamic=False``, one graph per shape and cache state: inductor fails to lower the Wan VAE's
+causal conv3d with symbolic sizes): sizes are symbols in the graph, so one graph
 serves every resolution, frame count and text length, and a given shape always runs the same
 graph (serve and rollout are numerically the same, the first run and the hundredth alike). torch
 still specializes sizes 0 and 1, so a batch of one (CFG off, or a single sample) compiles its
@@ -55,6 +57,9 @@ from .compiled import compile_module
 from .device import torch_device
 
 _COMPILE_OPTIONS = {"dynamic": True}
+#: The VAE stays shape-specialized: inductor 2.13 fails to lower the Wan VAE's causal conv3d with
+#: symbolic sizes (ValueRangeError on the padded input, seen on the wan2.1-i2v encoder).
+_VAE_COMPILE_OPTIONS = {"dynamic": False}
 
 #: The submodules of a diffusers VAE that do its work; compiled where present.
 VAE_SUBMODULES = ("encoder", "decoder")
@@ -91,7 +96,7 @@ def build_vae(spec: ComponentSpec) -> torch.nn.Module | None:
     if not parts:
         return None
     for name in parts:
-        compile_module(getattr(module, name), f"vae:{spec.name}.{name}", **_COMPILE_OPTIONS)
+        compile_module(getattr(module, name), f"vae:{spec.name}.{name}", **_VAE_COMPILE_OPTIONS)
     return module
 
 
