@@ -10,7 +10,10 @@ resident-memory growth of each run (sampled from /proc/self/statm every 2 ms by 
 Wan2.1-Diffusers checkpoints ship (both sides then run it: flowseam's ``unipc_step`` op, diffusers'
 ``UniPCMultistepScheduler``); the default is FlowMatchEuler.
 
-Run: .venv/bin/python bench/generate_vs_diffusers.py [--repeats 5] [--backend cpu] [--scheduler unipc]
+``--profile N`` then runs each side once more under ``torch.profiler`` and prints its N top ops
+by self CPU time (what to change first, and the before/after of a change).
+
+Run: .venv/bin/python bench/generate_vs_diffusers.py [--repeats 5] [--backend cpu] [--scheduler unipc] [--profile 12]
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ def report(times: dict, peaks: dict, goal: float) -> None:
 def main() -> None:
     ap = bench_parser(__doc__, steps=10)
     ap.add_argument("--scheduler", choices=("euler", "unipc"), default="euler")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print each side's N top ops by self CPU time (torch.profiler)")
     args = ap.parse_args()
     scheduler_class = {"euler": "FlowMatchEulerDiscreteScheduler",
                        "unipc": "UniPCMultistepScheduler"}[args.scheduler]
@@ -136,6 +141,11 @@ def main() -> None:
     print(f"  {model.solver.describe()}")
     report(times, peaks, goal=1.0)
     print(f"  max |flowseam - diffusers| = {np.abs(ours - theirs).max():.2e}")
+    for name, fn in order if args.profile else ():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        print(f"  {name}: top {args.profile} ops by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ default tiny checkpoint to keep the cold compile short.
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
 from itertools import pairwise
 
@@ -242,41 +243,94 @@ def test_a_new_sigma_resolution_or_storage_dtype_never_recompiles(accel):
 
 @pytest.fixture(scope="module")
 def tiny_wan(tmp_path_factory):
-    """A Wan 2.1 T2V checkpoint shrunk below the default tiny one (1 DiT layer, a 2-level VAE),
-    so that its graphs compile in seconds."""
+    """A Wan 2.1 T2V checkpoint shrunk below the default tiny one (2 DiT layers, a 2-level VAE),
+    so that its graphs compile in seconds; two layers, so that one block's graphs serve both."""
     from flowseam.testing.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(
-        "wan2.1-t2v", tmp_path_factory.mktemp("accel") / "wan", transformer={"num_layers": 1},
+        "wan2.1-t2v", tmp_path_factory.mktemp("accel") / "wan", transformer={"num_layers": 2},
         vae={"dim_mult": [1, 1], "temperal_downsample": [False], "z_dim": 4})
 
 
-def test_dit_is_compiled_in_place_and_equals_the_cpu_build(accel, cpu, tiny_wan):
+def test_dit_blocks_are_compiled_once_for_all_and_the_model_equals_the_cpu_build(accel, cpu, tiny_wan):
+    """Regional compilation: every WanTransformerBlock compiled in place, the first block's call
+    compiles, the second reuses its graphs; attention stays routed through the platform (the
+    routed processors run eagerly and count their SDPA calls); the result equals the cpu build."""
     import diffusers
+    from flowseam.attention import route_attention
 
     spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
     dit, ref = accel.build_component("dit", spec), cpu.build_component("dit", spec)
     assert type(dit) is diffusers.WanTransformer3DModel and dit.config == ref.config
-    assert isinstance(dit._compiled_call_impl, compiled.Timed)       # compiled, class intact
+    assert getattr(dit, "_compiled_call_impl", None) is None          # not the whole model ...
+    assert len(dit.blocks) == 2 and all(isinstance(b._compiled_call_impl, compiled.Timed)
+                                        for b in dit.blocks)          # ... its repeated blocks
     assert next(dit.parameters()).dtype == torch.float32
+    route_attention(dit, accel.kernels.get(ops.ATTENTION))
+    route_attention(ref, cpu.kernels.get(ops.ATTENTION))
+    procs = list(dit.attn_processors.values())
     z = dit.config.in_channels
     latents, t = _rand(1, z, 1, 8, 8, seed=20), torch.tensor([700.0])
     text = _rand(1, 6, dit.config.text_dim, seed=21)
-    before = _entry("dit:transformer")
+    name = "dit:transformer.WanTransformerBlock"
+    before, sdpa_calls = _entry(name), sum(p._mode.calls for p in procs)
     with torch.no_grad():
         out = dit(latents, t, text, return_dict=False)[0]
         again = dit(latents, t * 0.5, text, return_dict=False)[0]    # new timestep: no recompile
         want = ref(latents, t, text, return_dict=False)[0]
     assert out.shape == want.shape
     assert (out - want).abs().max().item() < 1e-4
-    assert again.shape == out.shape
-    # one compile for this shape (none if an earlier instance of this config compiled it), booked
-    # apart from the run: the second call is pure run time
-    after = _entry("dit:transformer")
-    assert after["calls"] - before["calls"] == 2 and after["compiles"] - before["compiles"] <= 1
-    assert f"f32[1,{z},1,8,8], f32[1], f32[1,6,{dit.config.text_dim}], return_dict=bool" in after["signatures"]
+    assert again.shape == out.shape and not torch.equal(again, out)
+    # 2 model calls x 2 blocks x (self + cross) attention, all through the platform's kernel
+    assert sum(p._mode.calls for p in procs) - sdpa_calls == 8
+    # 4 block calls, of which at most one compiled (none if an earlier instance of this config
+    # compiled the shape): the second block reuses the first one's graphs; compile time is
+    # booked apart from run time
+    after = _entry(name)
+    assert after["calls"] - before["calls"] == 4 and after["compiles"] - before["compiles"] <= 1
+    assert len(after["signatures"]) == after["compiles"] >= 1
     if after["compiles"] > before["compiles"]:
         assert after["compile_s"] - before["compile_s"] > after["run_s"] - before["run_s"]
+
+
+def test_a_first_call_says_it_may_compile_when_notices_are_on(accel, tiny_wan, monkeypatch,
+                                                              capsys):
+    """flowseam generate turns notices on: the first call of a compiled component with new
+    input shapes announces itself (a cold compile takes minutes on 2 cores and would look like
+    a hang), and says afterwards whether it compiled; later calls say nothing."""
+    from flowseam import console
+
+    monkeypatch.setattr(console, "_NOTICES", True)
+    spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
+    dit = accel.build_component("dit", spec)
+    z = dit.config.in_channels
+    latents, t = _rand(1, z, 1, 8, 8, seed=20), torch.tensor([700.0])
+    text = _rand(1, 6, dit.config.text_dim, seed=21)
+    with torch.no_grad():
+        dit(latents, t, text, return_dict=False)
+        dit(latents, t * 0.5, text, return_dict=False)
+    err = capsys.readouterr().err.splitlines()
+    # one notice for both blocks: they share the entry "<name>.<block class>" and its graphs
+    message = ("accel: compiling dit:transformer.WanTransformerBlock for new input shapes with "
+               "torch.compile (first call; cached on disk afterwards)")
+    assert err[0] == f"{message} ..."  # stderr is not a terminal here: a start and an end line
+    assert re.fullmatch(re.escape(message) + r": (compiled|ready \(compiled before\)) in [0-9.]+ s",
+                        err[1]), err
+    assert len(err) == 2  # the second call, same shapes: no notice
+    monkeypatch.setattr(console, "_NOTICES", False)  # library use: silent
+    with torch.no_grad():
+        accel.build_component("dit", spec)(latents, t, text, return_dict=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_dit_without_repeated_blocks_is_compiled_whole(accel):
+    """The fallback of regional compilation: a model that lists no ``_repeated_blocks``."""
+    from flowseam_accel.components import compile_repeated_blocks
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    assert compile_repeated_blocks(model, "dit:plain") is model
+    assert isinstance(model._compiled_call_impl, compiled.Timed)
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model)
 
 
 def test_vae_encoder_and_decoder_are_compiled_and_equal_the_cpu_build(accel, cpu, tiny_wan):

@@ -287,7 +287,7 @@ def test_cli_bad_input_exits_2(ckpt, tmp_path, capsys):
     code = cli.main(["generate", "--model", str(ckpt), "--prompt", "x", "--frames", "17",
                      "--height", "32", "--width", "32", "--chunk-frames", "2", "--stream",
                      "--backend", "cpu", "--output", str(out)])
-    assert code == 2 and "num_frames=17 makes 5 latent frames" in capsys.readouterr().err
+    assert code == 2 and "--frames=17 makes 5 latent frames" in capsys.readouterr().err  # the flag
     assert list(tmp_path.iterdir()) == []
     code = cli.main(["generate", "--model", str(ckpt), "--prompt", "x", "--stream",
                      "--output", str(tmp_path / "v.gif")])

@@ -179,11 +179,18 @@ def test_demo_smoke_builds_once_then_reuses_the_cache(tmp_path, capsys):
                               "--group-size", "2"]) == 0
         first = capsys.readouterr().out
         manifest = (tmp_path / "models" / "manifest.json").read_text()
-        assert main(common + ["--build-only"]) == 0
+        # without --backend: the table of the platform the demo runs on (cpu), and why not the
+        # highest-priority backend
+        assert main([a for a in common if a not in ("--backend", "cpu")] + ["--build-only"]) == 0
         second = capsys.readouterr().out
     finally:
         torch.set_num_threads(threads)
     assert "building" in first and "building" not in second and "using" in second
+    assert "Platform: backend 'cpu'" in second
+    detected = flowseam.Platform.detect().name
+    if detected != "cpu":
+        assert f"demo backend: cpu — the demo's default, so that no model waits for a compiler; " \
+               f"the highest-priority backend here is {detected!r}" in second
     assert (tmp_path / "models" / "manifest.json").read_text() == manifest  # never retrained
     assert "backend" in first.splitlines()[0] or "name" in first.splitlines()[0]  # the table
     out = tmp_path / "out"
@@ -193,10 +200,24 @@ def test_demo_smoke_builds_once_then_reuses_the_cache(tmp_path, capsys):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rl_steps"] == 1 and summary["backend"] == "cpu"
+    # the post-trained stages are models generate takes
+    assert summary["trained_models"] == {s: str(out / "rl" / s / "model") for s in ("t2i", "i2v")}
+    assert f"trained t2i model: {out / 'rl' / 't2i' / 'model'}" in first
     assert {"reward_before", "reward_after", "generated_digit_accuracy_before"} <= set(summary)
+    from flowseam.defaults import read_checkpoint_defaults
+    from flowseam.demo.build import read_recipes
+
+    recipes = read_recipes()
     for stage in ("digits-t2i", "digits-i2v"):
         loaded = flowseam.load(tmp_path / "models" / stage, platform=flowseam.Platform("cpu"))
         assert loaded.card.name == ("flux.1-t2i" if stage == "digits-t2i" else "wan2.1-i2v")
+        # the recipe's [serve] settings are the built model's own serving defaults (its
+        # flow_shift is a solver setting: the solver takes it at load and says where it came from)
+        serve = recipes[stage].config["serve"]
+        assert read_checkpoint_defaults(tmp_path / "models" / stage) == serve
+        assert loaded.serve_defaults == {k: v for k, v in serve.items() if k != "flow_shift"}
+        if "flow_shift" in serve:
+            assert f"shift={float(serve['flow_shift'])} (flowseam.json)" in loaded.solver_line()
 
 
 def test_the_shipped_weights_match_the_recipes_so_a_first_run_never_builds():

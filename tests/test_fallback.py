@@ -53,3 +53,26 @@ def test_generation_falls_back_to_cpu_when_the_other_backends_are_absent(tmp_pat
         out = model.generate("a cat", params=DiffusionParams(num_steps=2, height=32, width=32))
         assert out.frames.shape == (1, 1, 32, 32, 3)
         assert set(out.kernels.values()) == {platform.kernels.get(ops.FLOW_MATCH_STEP).impl_id}
+
+
+def test_the_provenance_line_marks_every_fallback_and_names_dtypes(tmp_path):
+    """What ``flowseam generate`` prints after its output: each component as device/plugin and
+    dtype, each kernel by its implementation id; whatever landed past the platform's first
+    device is marked ``(fallback)``, components and kernels alike."""
+    import re
+
+    with plugin_env() as reg:
+        platform = flowseam.Platform.detect(registry=reg)
+        model = flowseam.load(write_tiny_checkpoint("wan2.1-t2v", tmp_path / "wan"), platform=platform)
+    line = model.provenance()
+    first = platform.device_chain[0]
+    comps = re.findall(r"(\w+)=(\w+)/(\w+) (\S+?)( \(fallback\))?[,;]", line)
+    assert {c[0] for c in comps} == {"transformer", "vae", "text_encoder"}, line
+    for name, device, plugin, dtype, marked in comps:
+        record = model.component_records[name]
+        assert (device, plugin, dtype) == (record.device, record.plugin, "float32"), line
+        assert bool(marked) == (device != first), line
+    kernels = re.findall(r"(\w+)=(\w+):\w+:(\w+):\S+?==\S+?( \(fallback\))?(?:,|;|$)", line)
+    assert {k[0] for k in kernels} == set(platform.kernels.ops()), line
+    for op, plugin, device, marked in kernels:
+        assert bool(marked) == (device != first), line

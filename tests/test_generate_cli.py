@@ -79,7 +79,7 @@ def test_generate_workflow_writes_a_gif(ckpts, tmp_path):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--frames", "6"], "num_frames=6 is not of the form 4k+1"),
+    (["--frames", "6"], "--frames=6 is not of the form 4k+1"),  # the flag, not num_frames=
     (["--output-suffix", ".txt"], "unsupported suffix '.txt'"),
     (["--image", "/nonexistent.png"], "does not exist"),
     (["--backend", "nosuch"], "unknown flowseam backend 'nosuch'"),
@@ -101,3 +101,22 @@ def test_generate_bad_input_exits_nonzero_without_output(ckpts, tmp_path, args, 
     assert r.returncode != 0
     assert match in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_errors_use_the_commands_words_before_any_model_loads(ckpts, tmp_path, capsys):
+    from flowseam.cli import main
+
+    out = tmp_path / "x.gif"
+    common = ["--prompt", "a dog", "--backend", "cpu", "--output", str(out)]
+    assert main(["generate", "--model", str(ckpts["wan2.1-i2v"])] + common) == 2
+    err = capsys.readouterr().err
+    assert "--image is required" in err and "image=" not in err
+    image = tmp_path / "first.png"
+    media.write_output(image, _frames(1)[0][None])
+    assert main(["generate", "--model", str(ckpts["wan2.1-t2v"]), "--image", str(image)] + common) == 2
+    assert "--image: " in capsys.readouterr().err
+    assert main(["generate", "--model", str(ckpts["flux.1-t2i"]), "--negative-prompt", "x",
+                 "--height", "32", "--width", "32", "--steps", "1"] + common[:-1] + [str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "flowseam: error: --negative-prompt is not supported" in err, err  # before any step
+    assert not out.exists() and not (tmp_path / "x.png").exists()

@@ -346,6 +346,9 @@ def test_a_third_party_plugin_serving_cpu_shows_in_the_main_table(hostile_regist
     text = flowseam.Platform("cpu", registry=hostile_registry).explain()
     assert "cpu: cpu (flowseam-cpu 0.1.0), cpu_extra (flowseam-fixture-hostile 0.0.1)" in text
     row = next(line for line in text.splitlines() if line.startswith("  not chosen"))
+    assert "cpu_extra" in row
+    verbose = flowseam.Platform("cpu", registry=hostile_registry).explain(verbose=True)
+    row = next(line for line in verbose.splitlines() if line.startswith("  not chosen"))
     assert "cpu_extra" in row and "cpu_extra:flow_match_step:cpu:generic" in row
 
 

@@ -59,28 +59,28 @@ TRAIN = ("train", "--config", "{config}")
 ROWS = [
     # -- numeric options of generate: finite and in range, before any model loads ---------------
     Hostile("numbers", "guidance NaN", GEN_T2V + ("--guidance", "nan"),
-            ("--guidance", "guidance_scale=nan", "finite number")),
+            ("--guidance=nan", "finite number")),
     Hostile("numbers", "guidance inf (Flux)", GEN_T2I + ("--guidance", "inf"),
-            ("--guidance", "guidance_scale=inf", "finite number")),
+            ("--guidance=inf", "finite number")),
     Hostile("numbers", "guidance negative", GEN_T2V + ("--guidance", "-2"),
             ("--guidance", ">= 0")),
     Hostile("numbers", "guidance-2 NaN", GEN_T2V + ("--guidance-2", "nan"),
-            ("--guidance-2", "guidance_scale_2=nan", "finite number")),
+            ("--guidance-2=nan", "finite number")),
     Hostile("numbers", "flow shift NaN", GEN_T2V + ("--flow-shift", "nan"),
-            ("--flow-shift", "flow_shift=nan")),
+            ("--flow-shift=nan",)),
     Hostile("numbers", "flow shift inf", GEN_T2V + ("--flow-shift", "inf"),
-            ("--flow-shift", "flow_shift=inf")),
+            ("--flow-shift=inf",)),
     Hostile("numbers", "flow shift 0", GEN_T2V + ("--flow-shift", "0"),
             ("--flow-shift", "> 0")),
     Hostile("numbers", "seed negative", GEN_T2V + ("--seed", "-1"),
-            ("--seed", "seed=-1", ">= 0")),
+            ("--seed=-1", ">= 0")),
     Hostile("numbers", "seed past the generator's range", GEN_T2V + ("--seed", str(2**64)),
             ("--seed", str(2**64), str(2**64 - 1))),
-    Hostile("numbers", "fps 0", GEN_T2V + ("--fps", "0"), ("--fps", "fps=0.0", "> 0")),
+    Hostile("numbers", "fps 0", GEN_T2V + ("--fps", "0"), ("--fps=0.0", "> 0")),
     Hostile("numbers", "fps negative (GIF)", GEN_T2V[:-1] + ("{out}.gif", "--fps", "-4"),
             ("--fps", "> 0")),
     Hostile("numbers", "fps NaN", GEN_T2V + ("--fps", "nan"), ("--fps", "finite")),
-    Hostile("numbers", "steps 0", GEN_T2V + ("--steps", "0"), ("--steps", "num_steps=0")),
+    Hostile("numbers", "steps 0", GEN_T2V + ("--steps", "0"), ("--steps=0",)),
     Hostile("numbers", "steps not an integer", GEN_T2V + ("--steps", "1.5"),
             ("--steps", "invalid int value")),
     Hostile("numbers", "absurd steps", GEN_T2V + ("--steps", str(10**12)),
@@ -89,7 +89,7 @@ ROWS = [
             ("--height", "needs at least", "GiB of memory")),
     Hostile("numbers", "absurd frame count", GEN_T2V + ("--frames", "400000001"),
             ("needs at least", "GiB of memory")),
-    Hostile("numbers", "height 0", GEN_T2V + ("--height", "0"), ("--height", "height=0")),
+    Hostile("numbers", "height 0", GEN_T2V + ("--height", "0"), ("--height=0",)),
     # -- images: refused before the model loads --------------------------------------------------
     Hostile("images", "missing image", GEN_I2V + ("--image", "{tmp}/nope.png"),
             ("nope.png", "does not exist")),
@@ -147,7 +147,7 @@ ROWS = [
             config=("flowgrpo", {"optim": {"learning_rate": 1e-3}})),
     Hostile("train config", "YAML reads 1e-4 as a string", TRAIN + ("--method", "flowgrpo"),
             ("[optim] lr='1e-4'", "valid number"),
-            config_text="model: {flux}\nprompts: [a ball]\noptim:\n  lr: 1e-4\n"),
+            config_text="model: {flux}\nprompts: [a ball]\noutput_dir: {tmp}/run\noptim:\n  lr: 1e-4\n"),
     Hostile("train config", "--set steps=abc", TRAIN + ("--method", "flowgrpo", "--set", "steps=abc"),
             ("steps='abc'", "valid integer"), config=("flowgrpo", {})),
     Hostile("train config", "finetune p_uncond = 2", TRAIN + ("--method", "finetune"),
@@ -210,10 +210,12 @@ MAKERS: dict[str, Callable[[Path], None]] = {
 
 BASE_CONFIGS = {
     "flowgrpo": {"model": "{flux}", "prompts": ["a ball"], "group_size": 2, "steps": 1,
+                 "output_dir": "{tmp}/run",
                  "sampling": {"num_steps": 2, "height": 32, "width": 32, "max_sequence_length": 16}},
-    "finetune": {"model": "{flux}", "data": "{files}/data.jsonl", "steps": 1, "batch_size": 1},
+    "finetune": {"model": "{flux}", "data": "{files}/data.jsonl", "steps": 1, "batch_size": 1,
+                 "output_dir": "{tmp}/run"},
     "workflow_rl": {"t2i_model": "{flux}", "i2v_model": "{i2v}", "prompts": ["a ball"],
-                    "group_size": 2, "steps": 1},
+                    "group_size": 2, "steps": 1, "output_dir": "{tmp}/run"},
 }
 
 
@@ -270,8 +272,8 @@ def _fill(value: Any, names: dict[str, str]) -> Any:
     return value
 
 
-def run_row(row: Hostile, ckpts: dict[str, Path], files: Path, tmp_path: Path, capsys) -> tuple[int, str]:
-    """Run the row's command line in this process; return (exit status, stderr)."""
+def row_argv(row: Hostile, ckpts: dict[str, Path], files: Path, tmp_path: Path) -> list[str]:
+    """The row's command line, placeholders filled (and its config file written)."""
     names = {**{k: str(v) for k, v in ckpts.items()}, "out": str(tmp_path / "out" / "result"),
              "tmp": str(tmp_path), "files": str(files)}
     names.update({name: str(files / name) for name in MAKERS})
@@ -283,7 +285,13 @@ def run_row(row: Hostile, ckpts: dict[str, Path], files: Path, tmp_path: Path, c
             method, over = row.config
             path.write_text(yaml.safe_dump(_fill(_merge(BASE_CONFIGS[method], over), names)))
         names["config"] = str(path)
-    argv = [_fill(a, names) for a in row.argv]
+    return [_fill(a, names) for a in row.argv]
+
+
+def run_row(row: Hostile, ckpts: dict[str, Path], files: Path, tmp_path: Path, capsys) -> tuple[int, str]:
+    """Run the row's command line in this process (``flowseam.cli.main``: the same checks as
+    the ``flowseam`` command, without starting a Python per row); return (exit status, stderr)."""
+    argv = row_argv(row, ckpts, files, tmp_path)
     try:
         status = cli.main(argv)
     except SystemExit as exc:  # argparse's own usage errors
@@ -300,6 +308,27 @@ def test_hostile_input_is_refused_cleanly(row, ckpts, files, tmp_path, capsys, b
         assert word in err, f"{word!r} not in: {err}"
     assert "Traceback" not in err
     assert built == [], f"a model was loaded before the input was refused: {built}"
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+#: rows also run as a real ``python -m flowseam`` process (one generate, one train): what the
+#: in-process rows cannot see — the process's exit status, and stderr holding exactly one line
+SUBPROCESS_ROWS = ["numbers: guidance NaN", "train config: lr = inf"]
+
+
+@pytest.mark.parametrize("row_id", SUBPROCESS_ROWS)
+def test_the_flowseam_process_exits_with_one_error_line(row_id, ckpts, files, tmp_path):
+    import subprocess
+    import sys
+
+    row = next(r for r in ROWS if r.id == row_id)
+    argv = row_argv(row, ckpts, files, tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "flowseam", *argv], cwd=files, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == row.exit, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flowseam: error: "), proc.stderr
+    assert all(word in lines[0] for word in row.words), lines[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 

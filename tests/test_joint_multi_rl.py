@@ -157,7 +157,7 @@ def test_resume_is_bit_identical(ckpt, cpu, tmp_path):
     half = _joint(ckpt, cpu, steps=1, checkpoint_every=1, output_dir=str(tmp_path / "b"))
     half.run(progress=False)
     resumed = _joint(ckpt, cpu, steps=2, checkpoint_every=1, output_dir=str(tmp_path / "b"))
-    resumed.run(progress=False)
+    out = resumed.run(progress=False)
     for name in EXPERTS:
         assert all(torch.equal(p, q) for p, q in zip(straight.model.experts[name].parameters(),
                                                      resumed.model.experts[name].parameters()))
@@ -166,6 +166,8 @@ def test_resume_is_bit_identical(ckpt, cpu, tmp_path):
     assert strip(ma) == strip(mb) and [r["step"] for r in mb] == [1, 2]
     assert mb[1]["transformer_weights_version"] == 2 and mb[1]["transformer_2_weights_version"] == 2
     # the run ends with a loadable model: both trained experts, as the rollout instance holds them
+    assert out["model"] == str(tmp_path / "b" / "model")
+    assert out["exported"] == {name: {"model": out["model"]} for name in EXPERTS}
     saved = flowseam.load(tmp_path / "b" / "model", platform=cpu, quiet=True)
     for name in EXPERTS:
         assert all(torch.equal(p, q) for p, q in zip(saved.experts[name].parameters(),

@@ -75,7 +75,7 @@ def test_no_import_cycles():
 
 
 #: the modules of the loops package shared by every loop (below them: they import no loop)
-LOOP_HELPERS = ("flowseam.loops.records", "flowseam.loops.solvers")
+LOOP_HELPERS = ("flowseam.loops.records", "flowseam.loops.solvers", "flowseam.loops.step_cache")
 
 
 def test_loops_import_neither_models_nor_training_nor_each_other():

@@ -292,6 +292,26 @@ def test_the_scheduler_is_read_as_for_every_card_and_what_the_loop_cannot_step_i
         flowseam.load(path, platform=flowseam.Platform("cpu"))
 
 
+def test_a_checkpoints_serving_defaults_come_before_the_cards(ckpts, tmp_path, cpu, capsys):
+    """flowseam.json (next to model_index.json) fills what a request leaves unset, as for
+    every card; the request still beats it; the CLI names LTX-2's flags in its errors."""
+    from flowseam import GenerationRequest, TaskType
+
+    path = _copy(ckpts, tmp_path)
+    serve = {"num_steps": 3, "height": 128, "width": 64, "num_frames": 7, "max_sequence_length": 16}
+    (path / "flowseam.json").write_text(json.dumps({"serve": serve}))
+    model = flowseam.load(path, platform=cpu)
+    params = model.check(GenerationRequest(PROMPT, TaskType.T2V))
+    assert {k: getattr(params, k) for k in serve} == serve  # the card's: 30, 1024x1536, 121, 1024
+    assert params.frame_rate == model.card.defaults["frame_rate"]  # not in the file
+    assert model.check(GenerationRequest(PROMPT, TaskType.T2V, DiffusionParams(num_steps=2))).num_steps == 2
+    target = tmp_path / "clip.mp4"
+    assert cli_main(["generate", "--model", str(path), "--prompt", PROMPT, "--frames", "6",
+                     "--audio-guidance", "-1", "--backend", "cpu", "--output", str(target)]) == 2
+    assert "--frames=6 is not of the form 2k+1" in capsys.readouterr().err
+    assert not target.exists()
+
+
 def test_two_stages_need_the_upsampler_one_stage_does_not(ckpts, tmp_path, cpu):
     path = _copy(ckpts, tmp_path)
     shutil.rmtree(path / "latent_upsampler")
@@ -351,7 +371,7 @@ def test_every_step_runs_the_platforms_kernel_and_components_fall_back_visibly(c
         assert f"stage 2: flow_renoise [{renoise.impl_id}] to sigma 0.909375" in result.solver
         # 5 DiT calls x 2 blocks x 6 attentions (video, audio, 2 text cross, a2v, v2a)
         assert len(seen) == 5 * 2 * 6
-        assert "testdev_a" in model.provenance() and "audio_vae=cpu/cpu (fallback)" in model.provenance()
+        assert "testdev_a" in model.provenance() and "audio_vae=cpu/cpu float32 (fallback)" in model.provenance()
     flowseam.plugins._CACHE = None
 
 

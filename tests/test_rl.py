@@ -341,6 +341,14 @@ max_sequence_length = 16
     r = run_cli("train", "--method", "flowgrpo", "--config", str(cfg))
     assert r.returncode == 0, r.stderr
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
+    # the README's train → generate: the run's model is what generate takes
+    assert f"model: {tmp_path / 'run' / 'model'}" in r.stdout
+    image = tmp_path / "after.png"
+    g = run_cli("generate", "--model", str(tmp_path / "run" / "model"), "--prompt", "a ball",
+                "--steps", "2", "--height", "32", "--width", "32", "--max-sequence-length", "16",
+                "--backend", "cpu", "--output", str(image))
+    assert g.returncode == 0, g.stderr
+    assert image.is_file()
     bad = run_cli("train", "--method", "nosuch", "--config", str(cfg))
     assert bad.returncode != 0 and "registered methods" in bad.stderr
 

@@ -318,8 +318,10 @@ def test_auth(server):
     (dict(quality="hd"), 400, "quality", "quality"),
     (dict(extra_body={"steps": 0}), 400, "steps", "greater than or equal to 1"),
     (dict(extra_body={"nonsense": 1}), 400, "nonsense", "does not implement this field"),
-    (dict(extra_body={"lora": {"name": "x"}}), 400, "lora", "not implemented in flowseam yet"),
-    (dict(extra_body={"cache": {"threshold": 0.1}}), 400, "cache", "not implemented"),
+    (dict(extra_body={"lora": {"name": "x"}}), 400, "lora", "give 'PATH[:WEIGHT][@EXPERT]'"),
+    (dict(extra_body={"lora": "x.safetensors:0.5"}), 400, "lora", "is not loaded for flux.1-t2i"),
+    (dict(extra_body={"cache": {"threshold": 0.1}}), 400, "cache", "give 'NAME:THRESHOLD'"),
+    (dict(extra_body={"cache": "fast:0.1"}), 400, "cache", "cache='fast' is unknown"),
     (dict(model="nope"), 400, "model", "model='nope' is not served here"),
     (dict(model="wan2.1-t2v"), 400, "model", "cannot serve this request"),
 ])

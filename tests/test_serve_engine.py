@@ -169,8 +169,9 @@ def test_bad_values_are_refused_before_queueing(engine):
     with pytest.raises(BadRequest, match="num_frames=6 is not of the form 4k\\+1") as err:
         engine.submit(JobRequest(kind="video", prompt="x", model="wan2.1-t2v", frames=6))
     assert err.value.param == "frames"
-    with pytest.raises(BadRequest, match="lora: per-request LoRA adapters are not implemented"):
+    with pytest.raises(BadRequest, match="lora=.*give 'PATH") as err:
         engine.submit(image_request(seed=0, extra={"lora": {"name": "x"}}))
+    assert err.value.param == "lora"
     with pytest.raises(BadRequest, match="model='nope' is not served here") as err:
         engine.submit(JobRequest(kind="image", prompt="x", model="nope"))
     assert err.value.param == "model"
@@ -266,3 +267,44 @@ def test_every_loop_calls_the_step_callback_after_each_step(models):
     with pytest.raises(Stop) as err:
         run_loop(models["flux.1-t2i"], request, step_callback=stop_after_first)
     assert err.value.args == (0,)
+
+
+def test_lora_and_cache_fields_run_as_flowseam_generate_runs_them(tmp_path):
+    """A job naming a LoRA loaded at start (``flowseam serve --lora``) and a cache policy gives
+    the image ``model.generate`` gives with the same parameters (within one uint8 level), moves
+    the image away from the base model's, and records both in the job; a LoRA the server did not
+    load is refused (the server never reads a path a client sends)."""
+    import diffusers
+
+    from flowseam.serve.server import preload_loras
+    from test_adapters import FLUX_TARGETS, lora_layers
+
+    path = write_tiny_checkpoint("flux.1-t2i", tmp_path / "flux")
+    model = flowseam.load(path, platform=flowseam.Platform("cpu"))
+    layers = lora_layers(diffusers.FluxTransformer2DModel.from_pretrained(path / "transformer"),
+                         4, 1, FLUX_TARGETS)
+    diffusers.FluxPipeline.save_lora_weights(tmp_path, transformer_lora_layers=layers,
+                                             weight_name="style.safetensors")
+    preload_loras({"flux.1-t2i": model}, [str(tmp_path / "style.safetensors")])
+    eng = Engine({"flux.1-t2i": model}, tmp_path / "out", max_queue=8, max_batch=8,
+                 expire_after=3600)
+    eng.start()
+    try:
+        extra = {"lora": "style.safetensors:0.8", "cache": "extrapolate:0.2"}
+        done = eng.future(eng.submit(image_request(seed=3, steps=6, extra=extra)).id).result(timeout=300)
+        assert done.status == "completed", done.error
+        assert done.params["lora"] == [{"name": "style.safetensors", "weight": 0.8, "expert": None}]
+        assert done.params["cache"] == "extrapolate:0.2"
+        params = flowseam.DiffusionParams(num_steps=6, height=32, width=32, seed=3)
+        want = model.generate("a red ball", params=params.replace(
+            lora=(f"{tmp_path / 'style.safetensors'}:0.8",), cache="extrapolate:0.2"))
+        assert want.cache["steps_skipped"] > 0
+        got = np.asarray(Image.open(eng.output_path(done))).astype(int)
+        assert np.abs(got - flowseam.media.to_uint8(want.frames[0, 0]).astype(int)).max() <= 1
+        base = flowseam.media.to_uint8(model.generate("a red ball", params=params).frames[0, 0])
+        assert np.abs(got - base.astype(int)).max() > 10
+        with pytest.raises(BadRequest, match="'other.safetensors' is not loaded") as err:
+            eng.submit(image_request(seed=0, extra={"lora": "other.safetensors"}))
+        assert err.value.param == "lora"
+    finally:
+        eng.stop()

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import FIXTURES, pip_install_target, plugin_env, run_cli
 
 import flowseam
@@ -114,3 +115,90 @@ def test_conformance_suite_fails_for_a_subtly_wrong_kernel(vendor_dir, tmp_path)
     # C2 alone cannot see it (the wrong kernel agrees with itself); the oracle does.
     assert not any(name.startswith("test_sde_recompute") for name in failed), failed
     assert re.search(r"\b\d+ passed\b", proc.stdout), proc.stdout[-3000:]
+
+
+# -- the complete backend of docs/writing-a-backend.md ------------------------------------------
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "writing-a-backend.md"
+
+
+def guide_files() -> dict[str, str]:
+    """The files of the guide's complete backend: the code blocks titled with a path."""
+    return dict(re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', GUIDE.read_text(), flags=re.S))
+
+
+@pytest.fixture(scope="module")
+def halfcpu_dir(tmp_path_factory) -> Path:
+    """flowseam-halfcpu, written from the guide's code blocks and pip-installed."""
+    root = tmp_path_factory.mktemp("guide-backend")
+    for name, text in guide_files().items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    target = root / "target"
+    pip_install_target([root / "flowseam-halfcpu"], target)
+    return target
+
+
+def test_the_guides_complete_backend_is_under_100_lines_and_mixes_precisions(halfcpu_dir, tmp_path):
+    files = guide_files()
+    assert set(files) == {"flowseam-halfcpu/pyproject.toml",
+                          "flowseam-halfcpu/src/flowseam_halfcpu/__init__.py"}
+    assert len(files["flowseam-halfcpu/src/flowseam_halfcpu/__init__.py"].splitlines()) < 100
+    spec = flowseam.ComponentSpec("transformer", "diffusers.WanTransformer3DModel",
+                                  str(write_tiny_checkpoint("wan2.1-t2v", tmp_path / "wan")),
+                                  "transformer")
+    with plugin_env(halfcpu_dir, FLOWSEAM_PLUGINS="cpu,halfcpu") as reg:
+        platform = flowseam.Platform("halfcpu", registry=reg)
+        dit = platform.build_component("dit", spec)
+    # bf16 with the norms diffusers keeps in float32: the mixed-precision case the suite must
+    # judge by its lowest precision
+    assert platform.components[-1].dtype == "bfloat16+float32"
+    assert flowseam.components.compute_dtype(dit) is torch.bfloat16
+
+
+@pytest.mark.slow
+def test_the_guides_complete_backend_passes_the_conformance_suite(halfcpu_dir, tmp_path):
+    proc = conformance(halfcpu_dir, "halfcpu", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert re.search(r"\b\d+ passed\b", proc.stdout) and "xfail" not in proc.stdout
+
+
+def test_a_dtype_mismatch_in_a_component_names_the_dtypes_and_the_fix():
+    from flowseam.components import cast_inputs
+    from flowseam.testing.conformance._support import _Recorder
+
+    module = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    with pytest.raises(AssertionError) as info:
+        _Recorder(module, [])(torch.randn(2, 4))  # float32 in, as a caller holding float32 does
+    text = str(info.value)
+    assert "Linear.forward failed in the serve loop: the component's parameters are bfloat16, " \
+           "its floating-point inputs were float32: RuntimeError" in text
+    assert "flowseam.components.cast_inputs(module)" in text
+    out = _Recorder(cast_inputs(module, names=("input",)), [])(torch.randn(2, 4))
+    assert out.dtype is torch.bfloat16 and out.shape == (2, 3)
+
+
+def test_cast_inputs_casts_the_activations_and_leaves_timesteps_and_coordinates_alone():
+    """As diffusers' pipelines do: latents and embeddings in the model's dtype, the timestep
+    and the RoPE coordinates in float32 (bfloat16 cannot hold 999.0 - 0.5: it rounds to 1000)."""
+    from flowseam.components import cast_inputs
+
+    seen = {}
+
+    class DiT(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4).to(torch.bfloat16)
+
+        def forward(self, hidden_states, timestep, encoder_hidden_states=None, video_coords=None):
+            seen.update(hidden_states=hidden_states.dtype, timestep=timestep,
+                        encoder_hidden_states=encoder_hidden_states.dtype, video_coords=video_coords)
+            return self.proj(hidden_states)
+
+    t, coords = torch.tensor([998.5]), torch.arange(300.0).reshape(1, 3, 100)
+    cast_inputs(DiT())(torch.randn(1, 4), t, encoder_hidden_states=torch.randn(1, 2, 4),
+                       video_coords=coords)
+    assert seen["hidden_states"] is torch.bfloat16 and seen["encoder_hidden_states"] is torch.bfloat16
+    assert seen["timestep"].dtype is torch.float32 and float(seen["timestep"]) == 998.5
+    assert float(t.to(torch.bfloat16)) != 998.5  # what casting it would have done
+    assert seen["video_coords"] is coords

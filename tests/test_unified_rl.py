@@ -184,7 +184,7 @@ def test_resume_is_bit_identical_and_the_run_ends_with_a_loadable_lm(ckpts, cpu,
     half = _unified(ckpts, cpu, steps=1, checkpoint_every=1, output_dir=str(tmp_path / "b"))
     half.run(progress=False)
     resumed = _unified(ckpts, cpu, steps=2, checkpoint_every=1, output_dir=str(tmp_path / "b"))
-    resumed.run(progress=False)
+    out = resumed.run(progress=False)
     for a, b in ((straight.refiner.lm, resumed.refiner.lm),
                  (straight.generator.models["dit"].dit, resumed.generator.models["dit"].dit)):
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -198,6 +198,11 @@ def test_resume_is_bit_identical_and_the_run_ends_with_a_loadable_lm(ckpts, cpu,
     peer = AutoModelForCausalLM.from_pretrained(saved)
     assert all(torch.equal(p, q) for p, q in zip(peer.parameters(), resumed.refiner.lm.parameters()))
     assert again.refine(["a ball"], [7]) == resumed.refiner.refine(["a ball"], [7])
+    # and, like every method, the trained generator as a diffusers-format model beside it
+    assert out["exported"] == {"dit": {"model": str(tmp_path / "b" / "model")}}
+    exported = flowseam.load(tmp_path / "b" / "model", platform=cpu)
+    assert all(torch.equal(p, q) for p, q in zip(exported.dit.parameters(),
+                                                 resumed.generator.models["dit"].dit.parameters()))
 
 
 def test_the_workflow_as_generator_trains_the_lm_and_both_stages(ckpts, cpu, tmp_path):

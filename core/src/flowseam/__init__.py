@@ -1,11 +1,24 @@
 """flowseam: serve and RL-post-train flow-matching diffusion models through backend plugins.
 
-The public API is re-exported here; see DESIGN.md for the vocabulary.
+The public API is re-exported here (docs/architecture.md explains the vocabulary):
+
+* ``load(path, platform=None, verbose=False)``: a diffusers-format checkpoint → a model whose
+  ``generate(prompt, params=DiffusionParams(...))`` serves it;
+* ``run_loop(model, request, profile)`` / ``rollout_loop(...)``: the denoising loop behind it
+  (``ExecutionProfile.SERVE`` or ``ROLLOUT``, which captures a ``BehaviorRecord`` per step and
+  returns a ``LoopResult``);
+* ``Platform.detect()`` / ``Platform(name)``: the resolved backend choice (``platform.kernels``,
+  ``platform.build_component``, ``platform.explain()``); ``discover()`` the plugins behind it;
+* ``DiffusionParams``, ``GenerationRequest``, ``TaskType``: what a request asks for;
+* ``hookimpl``, ``BackendInfo``, ``Availability``, ``KernelRegistration``, ``ComponentSpec``,
+  ``ConformanceExpectations``, ``ops``: what a backend plugin implements and returns;
+* the errors, all subclasses of ``FlowseamError``.
 
 ``import flowseam`` does not import torch: the names that need it (``load``, ``run_loop`` and the
-loop records) are imported on first access (PEP 562 ``__getattr__``). That keeps the plugin
-loader, ``flowseam backends`` and flowseam's pytest plugin (loaded by every pytest run in an
-environment where flowseam is installed) cheap to import.
+loop records) are imported on first access (PEP 562 ``__getattr__``; ``dir(flowseam)`` and
+``help(flowseam)`` list them). That keeps the plugin loader, ``flowseam backends`` and
+flowseam's pytest plugin (loaded by every pytest run in an environment where flowseam is
+installed) cheap to import.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -79,6 +92,11 @@ def __getattr__(name: str) -> Any:
         if exc.name != f"{__name__}.{name}":
             raise
     raise AttributeError(f"module 'flowseam' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names and the lazy public ones (so ``dir()`` and ``help()`` show them)."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

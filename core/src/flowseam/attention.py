@@ -12,13 +12,16 @@ diffusers code is copied and nothing is monkeypatched; undo restores the stock p
 
 The kernel is resolved once, when the model is loaded (never per step).
 
-Under ``torch.compile`` (the accel backend compiles the DiT) the mode is traced with graph breaks
-around each attention call: results are exact, but the attention runs outside the compiled
-graphs. The check that the stock processor really called SDPA counts calls in eager runs only:
-dynamo compiles the mode's ``__torch_function__`` as a frame of its own (where a Python counter
-would be traced away or guarded on), so a model with compiled submodules is installed without
-the per-call check; its routing is proven by the conformance suite's parity with the cpu. A compile-friendly route needs a public diffusers hook for custom attention backends,
-which diffusers 0.42 does not have (its backend registry is private).
+Under ``torch.compile`` (the accel backend compiles the DiT's repeated transformer blocks) the
+routed processor is excluded from tracing (``torch.compiler.disable``): each attention layer's
+processor (its projections, RoPE and the routed SDPA call) runs eagerly between the compiled
+graphs of its block, exactly as in an eager model, and the per-call check that the stock
+processor really called SDPA runs there too. Tracing the mode instead broke every block into
+many small graphs (dynamo cannot trace ``Tensor.unflatten``'s ``super()`` call under a
+``TorchFunctionMode``), and dynamo compiles the mode's ``__torch_function__`` as a frame of its
+own, where the call counter would be traced away or guarded on. A compile-friendly route into
+the graphs needs a public diffusers hook for custom attention backends, which diffusers 0.42
+does not have (its backend registry is private).
 """
 
 from __future__ import annotations
@@ -53,8 +56,7 @@ class _SDPARoute(TorchFunctionMode):
                 "the attention op has no dropout, causal or GQA mode; got "
                 f"dropout_p={a.get('dropout_p')}, is_causal={a.get('is_causal')}, "
                 f"enable_gqa={a.get('enable_gqa')}")
-        if not torch.compiler.is_compiling():  # a Python counter would make dynamo recompile
-            self.calls += 1
+        self.calls += 1
         return self.attn(a["query"], a["key"], a["value"], attn_mask=a.get("attn_mask"),
                          scale=a.get("scale"))
 
@@ -72,16 +74,16 @@ class RoutedAttnProcessor:
         silently bypass the seam).
     """
 
-    def __init__(self, inner: Any, attn: Callable, check_calls: bool = True) -> None:
+    def __init__(self, inner: Any, attn: Callable) -> None:
         self.inner = inner
         self._mode = _SDPARoute(attn)
-        self.check_calls = check_calls
 
+    @torch.compiler.disable  # eager between a compiled block's graphs (see the module docstring)
     def __call__(self, attn_module, *args, **kwargs):
         before = self._mode.calls
         with self._mode:
             out = self.inner(attn_module, *args, **kwargs)
-        if self.check_calls and self._mode.calls == before and not torch.compiler.is_compiling():
+        if self._mode.calls == before:
             raise RuntimeError(f"{type(self.inner).__name__} did not call scaled_dot_product_attention;"
                                " its attention was not routed through the platform")
         return out
@@ -97,10 +99,9 @@ def _routed_class(inner_cls: type) -> type:
     return type(f"Routed{inner_cls.__name__}", (RoutedAttnProcessor,), {"__call__": __call__})
 
 
-def routed_processor(inner: Any, attn: Callable, check_calls: bool = True) -> RoutedAttnProcessor:
-    """``inner`` (a diffusers attention processor) with its SDPA call sent to ``attn``
-    (``check_calls``: see :class:`RoutedAttnProcessor`)."""
-    return _routed_class(type(inner))(inner, attn, check_calls)
+def routed_processor(inner: Any, attn: Callable) -> RoutedAttnProcessor:
+    """``inner`` (a diffusers attention processor) with its SDPA call sent to ``attn``."""
+    return _routed_class(type(inner))(inner, attn)
 
 
 def route_attention(model: Any, attn: Callable) -> Callable[[], None]:
@@ -111,13 +112,7 @@ def route_attention(model: Any, attn: Callable) -> Callable[[], None]:
     :returns: a callable that restores the model's original processors.
     """
     original = dict(model.attn_processors)
-    check = not is_compiled(model)
     model.set_attention_backend("native")
-    model.set_attn_processor({name: routed_processor(p, attn, check) for name, p in original.items()})
+    model.set_attn_processor({name: routed_processor(p, attn) for name, p in original.items()})
     return lambda: model.set_attn_processor(original)
 
-
-def is_compiled(model: torch.nn.Module) -> bool:
-    """Whether ``model`` or any submodule was compiled in place (``nn.Module.compile``, as the
-    accel backend does for a whole DiT or for its repeated blocks)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())

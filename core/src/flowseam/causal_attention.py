@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .attention import RoutedAttnProcessor, is_compiled
+from .attention import RoutedAttnProcessor
 
 
 @dataclass(frozen=True)
@@ -178,10 +178,12 @@ class CausalSelfAttnProcessor(RoutedAttnProcessor):
         self.layer = layer
         self.state = state
 
-    @torch.compiler.disable  # the cache bookkeeping stays eager under torch.compile: no graph
     def _attend(self, q, k, v, attn_mask=None, scale=None):  # per layer, cache length or mode
         return self.state.attend(self.layer, q, k, v, attn_mask, scale)
 
+    # eager under torch.compile like every routed processor: the cache bookkeeping (per layer,
+    # cache length, mode) never enters a graph
+    @torch.compiler.disable
     def __call__(self, attn_module, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  rotary_emb=None, **kwargs):
         if self.state.mode == "chunk":
@@ -199,16 +201,14 @@ def route_causal_attention(model: Any, attention: Callable, cached_attention: Ca
     :raises ValueError: if the model has no ``blocks.<i>.attn1`` self-attention.
     """
     original = dict(model.attn_processors)
-    check = not is_compiled(model)
     state = CausalAttention(attention, cached_attention)
     processors = {}
     for name, proc in original.items():
         parts = name.split(".")
         if len(parts) >= 3 and parts[0] == "blocks" and parts[2] == "attn1":
             processors[name] = CausalSelfAttnProcessor(proc, int(parts[1]), state)
-            processors[name].check_calls = check
         else:
-            processors[name] = RoutedAttnProcessor(proc, attention, check)
+            processors[name] = RoutedAttnProcessor(proc, attention)
     if not any(isinstance(p, CausalSelfAttnProcessor) for p in processors.values()):
         raise ValueError(f"{type(model).__name__} has no blocks.<i>.attn1 self-attention to make "
                          "causal; the wan_causal loop drives WanTransformer3DModel")

@@ -1,4 +1,4 @@
-"""The ``flowseam`` command line (also ``python -m flowseam``)."""
+"""The flowseam command line (also python -m flowseam)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 import signal
 import sys
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
-from .console import backend_rows, print_backend_table, quiet_libraries
+from .console import backend_rows, enable_notices, print_backend_table, quiet_libraries
 from .errors import FlowseamError, PluginFaultError
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    rows, explain = backend_rows(strict=False)
+    rows, platform = backend_rows(strict=False, backend=args.backend)
     broken = [r for r in rows if r["status"] == "broken"]
     if args.json:
         for r in rows:
@@ -22,7 +22,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
                 r.pop("traceback", None)
         print(json.dumps(rows, indent=2))
     else:
-        print_backend_table(rows, explain, verbose=args.verbose)
+        print_backend_table(rows, platform, verbose=args.verbose)
     if args.strict and broken:
         names = ", ".join(r["name"] for r in broken)
         print(f"flowseam: broken plugin(s): {names} (--strict)", file=sys.stderr)
@@ -30,29 +30,72 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
-#: DiffusionParams field → the ``generate`` option that sets it (for error messages).
-GENERATE_OPTIONS = {"num_steps": "--steps", "guidance_scale": "--guidance",
-                    "guidance_scale_2": "--guidance-2", "flow_shift": "--flow-shift",
-                    "seed": "--seed", "height": "--height", "width": "--width", "num_frames": "--frames",
-                    "negative_prompt": "--negative-prompt", "fps": "--fps",
-                    "chunk_frames": "--chunk-frames", "local_attn_size": "--local-attn-size",
-                    "sink_size": "--sink-size", "stages": "--stages",
-                    "audio_guidance_scale": "--audio-guidance", "frame_rate": "--fps"}
+#: request fields → the generate flags that set them (errors speak the command line's words)
+GENERATE_FLAGS = {
+    "num_steps": "--steps", "guidance_scale": "--guidance", "flow_shift": "--flow-shift",
+    "num_frames": "--frames", "negative_prompt": "--negative-prompt", "height": "--height",
+    "width": "--width", "max_sequence_length": "--max-sequence-length", "seed": "--seed",
+    "prompt": "--prompt", "chunk_frames": "--chunk-frames", "local_attn_size": "--local-attn-size",
+    "sink_size": "--sink-size", "guidance_scale_2": "--guidance-2", "stages": "--stages",
+    "audio_guidance_scale": "--audio-guidance", "frame_rate": "--fps", "cache": "--cache",
+    "lora": "--lora", "fps": "--fps",
+}
+
+
+def in_cli_words(message: str) -> str:
+    """A library error about a request, in the generate command's words: ``num_frames=6 ...``
+    → ``--frames=6 ...``, ``pass image= (...)`` → ``pass --image PATH``."""
+    import re
+
+    fields = "|".join(GENERATE_FLAGS)
+    message = re.sub(r"pass image= \([^)]*\([^)]*\)[^)]*\)", "pass --image PATH", message)
+    message = re.sub(rf"^({fields})\b(?!=)", lambda m: GENERATE_FLAGS[m.group(1)], message)
+    return re.sub(rf"(?<![\w-])({fields})=", lambda m: f"{GENERATE_FLAGS[m.group(1)]}=", message)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate an image or video (or run a workflow) and write it atomically.
+    """Generate an image or video (or run a workflow) and write it atomically; errors about the
+    request are reported with the command's flags (an error about one parameter whose message
+    does not show the flag is prefixed with it: ``--steps: this request ... needs at least``).
 
     Everything that can be checked without weights is checked before any model loads: every
     numeric option (finite, in range, the request's memory against this machine's, with the
-    card's defaults read from ``model_index.json``), the conditioning image (read and converted
-    here), the checkpoints' folders and the output path (writable).
+    defaults read from ``model_index.json`` and ``flowseam.json``), the conditioning image (read
+    and converted here), the checkpoints' folders and the output path (writable).
     """
+    try:
+        return _generate(args)
+    except PluginFaultError:
+        raise  # names the plugin; exit 3 (a KernelArgumentError is also a ValueError)
+    except ValueError as exc:
+        message = in_cli_words(str(exc))
+        flag = GENERATE_FLAGS.get(getattr(exc, "field", ""))
+        if flag and flag not in message:
+            message = f"{flag}: {message}"
+        raise ValueError(message) from exc
+
+
+def _check_image_flag(args: argparse.Namespace) -> None:
+    """--image against the checkpoint's card (read from model_index.json, before any model
+    loads): an image-to-video model needs one, the others take none."""
+    from .loading import read_card
+    from .request import TaskType
+
+    card = read_card(args.model[0])
+    if TaskType.I2V in card.tasks and args.image is None:
+        raise ValueError(f"--image is required: {args.model[0]} is {card.name}, image to video "
+                         "(pass --image PATH: the first frame)")
+    if TaskType.I2V not in card.tasks and args.image is not None:
+        raise ValueError(f"--image: {args.model[0]} is {card.name}, which takes no image")
+
+
+def _generate(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
     from . import media
-    from .loading import load, read_card
+    from .defaults import read_checkpoint_defaults
+    from .loading import load, read_card, resolve_checkpoint
     from .platform import Platform
     from .request import DiffusionParams, check_memory
     from .workflows import WORKFLOWS
@@ -75,6 +118,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              f"image, then image-to-video); got {len(args.model)}")
     elif len(args.model) != 1:
         raise ValueError(f"give one --model (got {len(args.model)}); two are for --workflow t2i-i2v")
+    else:
+        _check_image_flag(args)
     if args.stream and args.image is not None:
         raise ValueError("--stream generates from text; --image is for image-to-video")
     params = DiffusionParams(num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
@@ -82,7 +127,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
                              chunk_frames=args.chunk_frames, local_attn_size=args.local_attn_size,
                              sink_size=args.sink_size, guidance_scale_2=args.guidance_2,
-                             stages=args.stages, audio_guidance_scale=args.audio_guidance)
+                             stages=args.stages, audio_guidance_scale=args.audio_guidance,
+                             max_sequence_length=args.max_sequence_length,
+                             lora=tuple(args.lora or ()), cache=args.cache)
+    for spec in params.lora:  # before any model loads
+        if not Path(spec.path).is_file():
+            raise ValueError(f"--lora {spec.path} does not exist")
+        if args.workflow is not None:
+            raise ValueError("--lora applies to one model; a --workflow runs two")
     ignore = tuple(args.ignore_scheduler_option or ())
     image = media.read_image(args.image) if args.image is not None else None
     backends = args.backend or [None]
@@ -91,7 +143,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # the cards (from model_index.json alone) give the defaults the memory check needs
     stages = WORKFLOWS[args.workflow].stage_params(params) if args.workflow else (params,)
     for model_path, stage in zip(args.model, stages):
-        check_memory(stage.with_defaults(read_card(model_path).defaults))
+        root = resolve_checkpoint(model_path)
+        check_memory(stage.with_defaults({**read_card(root).defaults,
+                                          **read_checkpoint_defaults(root)}))
     media.check_writable(args.output)
     platforms = [Platform(b) if b else Platform.detect() for b in backends]
     platform = platforms[0]
@@ -146,7 +200,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"{frames.shape[1]} frame(s) of {frames.shape[2]}x{frames.shape[3]}"
             + (f" with {audio.shape[0]}-channel AAC audio" if audio is not None else ""))
     # one line: the output, then per model where its parts came from and the solver that ran
-    print(f"wrote {args.output} ({what}) in {seconds:.2f} s | "
+    lora = f" | {models[0].adapters.describe(params.lora)}" if params.lora else ""
+    cached = [r.cache for r in runs if r.cache]
+    if cached:
+        lora += " | cache " + ", ".join(f"{c['policy']}: {c['steps_computed']} steps computed, "
+                                        f"{c['steps_skipped']} skipped" for c in cached)
+    print(f"wrote {args.output} ({what}) in {seconds:.2f} s{lora} | "
           + " | ".join(f"{m.provenance(solver=False)}; {r.solver or m.solver_line()}"
                        for m, r in zip(models, runs)))
     return 0
@@ -166,6 +225,45 @@ def _with_frame_rate(params, model, fps: float | None):
     return params.replace(frame_rate=fps) if "frame_rate" in model.card.defaults else params
 
 
+def show_config(name: str, method: Any) -> str:
+    """What ``flowseam train --method NAME --show-config`` prints: the method's summary and
+    every config key with its default, as TOML (or its docstring, for a method that does not
+    publish its keys)."""
+    import inspect
+
+    from .training.config import as_toml
+
+    doc = inspect.getdoc(method) or ""
+    summary = first_sentence(doc)
+    module_doc = inspect.getdoc(inspect.getmodule(method)) or ""
+    if not hasattr(method, "default_config"):
+        return (f"# {name}: {summary}\n# this method does not publish its config keys "
+                f"(no default_config()); its documentation:\n\n{module_doc or doc}\n")
+    head = f"{name}: {summary}\nEvery key with its default; a commented key has none (required, " \
+           "or chosen at run time).\nSee the method's documentation for what each means:\n" \
+           f"python -c \"import {method.__module__} as m; help(m)\""
+    return as_toml(method.default_config(), tuple(getattr(method, "CONFIG_TABLES", ())), head)
+
+
+def _set_override(config: dict, override: str) -> None:
+    """``--set KEY=VALUE``: a top-level key, or ``table.key`` (the value parsed as JSON when it
+    can be, else kept as a string)."""
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set {override!r} must look like key=value or table.key=value")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    *tables, last = key.split(".")
+    target = config
+    for table in tables:
+        target = target.setdefault(table, {})
+        if not isinstance(target, dict):
+            raise ValueError(f"--set {override!r}: {table!r} is not a table of the config")
+    target[last] = parsed
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Run a registered training method with a TOML/YAML config (on ``--nproc`` ranks)."""
     import os
@@ -175,28 +273,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     method = get_method(args.method)  # unknown → error listing the registered methods
+    if args.show_config:
+        print(show_config(args.method, method), end="")
+        return 0
+    if not args.config:
+        raise ValueError("--config is required (a .toml or .yaml file); --show-config prints "
+                         f"every key of {args.method}'s config with its default")
     config = load_config(args.config)
     for override in args.set or []:
-        key, sep, value = override.partition("=")
-        if not sep:
-            raise ValueError(f"--set {override!r} must look like key=value")
-        import json
-        try:
-            config[key] = json.loads(value)
-        except ValueError:
-            config[key] = value
-    if args.nproc is not None:
-        if args.nproc < 1:
-            raise ValueError(f"--nproc={args.nproc} must be >= 1")
-        if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # the launcher, not yet a rank
-            from .training.distributed import launch
+        _set_override(config, override)
+    if args.output_dir:
+        config["output_dir"] = args.output_dir
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc={args.nproc} must be >= 1")
+    launcher = args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ
+    if launcher:  # not yet a rank
+        check = getattr(method, "check_world_size", None)
+        if check is not None:
+            check(config, args.nproc)  # e.g. a batch that does not split: fail before spawning
+    if not config.get("output_dir"):
+        raise ValueError("the run needs somewhere to write its trained model: set output_dir in "
+                         "the config, or pass --output-dir DIR")
+    if launcher:
+        from .training.distributed import launch
 
-            check = getattr(method, "check_world_size", None)
-            if check is not None:
-                check(config, args.nproc)  # e.g. a batch that does not split: fail before spawning
-            argv = ["train", "--method", args.method, "--config", args.config]
-            argv += [a for s in args.set or [] for a in ("--set", s)]
-            return launch(argv, args.nproc)
+        argv = ["train", "--method", args.method, "--config", args.config]
+        argv += [a for s in args.set or [] for a in ("--set", s)]
+        argv += ["--output-dir", config["output_dir"]]
+        return launch(argv, args.nproc)
     summary = method(config).run(progress=True)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # rank 0 reports for the run
@@ -204,8 +308,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in last.items()
              if k.startswith(("step", "reward_mean", "loss", "ratio", "t2i_ratio", "i2v_ratio"))}
     print(f"{args.method}: {summary['steps']} steps; last: {shown}")
-    if config.get("output_dir"):
-        print(f"metrics: {config['output_dir']}/metrics.jsonl")
+    out = config["output_dir"]
+    for stage, paths in (summary.get("exported") or {}).items():
+        where = f" ({stage})" if len(summary["exported"]) > 1 else ""
+        print(f"model{where}: {paths['model']} (diffusers format: flowseam generate --model "
+              f"{paths['model']} ...)")
+        if "lora" in paths:
+            print(f"lora{where}: {paths['lora']} (diffusers: pipe.load_lora_weights)")
+    print(f"checkpoints: {out}/checkpoints; metrics: {out}/metrics.jsonl")
     return 0
 
 
@@ -220,7 +330,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, api_key=args.api_key or os.environ.get("FLOWSEAM_API_KEY"),
         max_queue=args.max_queue, max_batch=args.max_batch, output_dir=args.output_dir,
         expire_after=args.expire_after, max_upload_mb=args.max_upload_mb,
-        log_level=args.log_level, threads=args.threads))
+        log_level=args.log_level, threads=args.threads, loras=args.lora or []))
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """Where the demo models are installed, and how to generate with them."""
+    from pathlib import Path
+
+    from .console import format_table, terminal_width
+    from .demo.build import default_cache_dir, demo_models
+
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    rows = demo_models(cache)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no demo model found (looked in {cache} and in the package's shipped weights); "
+              "flowseam demo --build-only builds them")
+        return 0
+
+    def serve(r: dict) -> str:
+        d = r["serve"]
+        size = f"{d['width']}x{d['height']}" if "width" in d and "height" in d else None
+        parts = [f"{d['num_steps']} steps" if "num_steps" in d else None, size,
+                 f"{d['num_frames']} frames" if "num_frames" in d else None,
+                 f"{d['max_sequence_length']} text tokens" if "max_sequence_length" in d else None]
+        return ", ".join(p for p in parts if p) or "-"
+
+    table = [[r["name"], r["card"] or "-", r["source"] + ("" if r["matches_recipe"] else
+                                                         " (stale: its recipe changed)"),
+              serve(r)] for r in rows]
+    lines = format_table(["model", "card", "from", "serving defaults"], table, terminal_width(),
+                         wrap=(3,))
+    print("\n".join(lines[:2]))
+    for r, line in zip(rows, lines[2:]):
+        print(f"{line}\n  {r['path']}")
+    used = {}
+    for r in rows:  # the one flowseam demo uses: the first matching place
+        if r["matches_recipe"]:
+            used.setdefault(r["name"], r["path"])
+    if "digits-t2i" in used:
+        print(f"\ntry: flowseam generate --model {used['digits-t2i']} "
+              "--prompt 'a handwritten digit seven' --output seven.png")
+    if "digits-i2v" in used:
+        print(f"     flowseam generate --model {used['digits-i2v']} --image seven.png "
+              "--prompt 'a handwritten digit seven moving left' --output seven.gif")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -261,22 +417,88 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _registered_methods_text() -> str:
+    """The train command's epilog: the registered methods (discovered when help is shown)."""
+    from .training import registered_methods
+
+    try:
+        methods = registered_methods()
+    except Exception as exc:  # help must still print
+        return f"(cannot list the training methods: {type(exc).__name__}: {exc})"
+    lines = ["registered methods (--method NAME --show-config prints the keys of its config",
+             "with their defaults):"]
+    for name, cls in sorted(methods.items()):
+        lines.append(f"  {name:<14}{first_sentence(cls.__doc__)}")
+    return "\n".join(lines)
+
+
+def first_sentence(doc: str | None) -> str:
+    """The first sentence of a docstring, as plain text (no RST ``literal`` markup)."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split()).replace("``", "")
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose epilog may be a callable (computed only when help is shown, so
+    that building the parser never discovers plugins), printed as is."""
+
+    def format_help(self) -> str:
+        epilog = self.epilog
+        if callable(epilog):
+            self.epilog = epilog()
+        try:
+            return super().format_help()
+        finally:
+            self.epilog = epilog
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:  # preformatted (an epilog listing methods): keep its lines
+            return "".join(indent + line + "\n" for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flowseam", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("backends", help="list every discovered plugin and the resolved platform")
+    parser = _Parser(
+        prog="flowseam", description="Serve and RL-post-train flow-matching diffusion models "
+                                     "through backend plugins.",
+        epilog="Run flowseam COMMAND --help for a command's options.",
+        formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print flowseam's version and its installed plugins', then exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
+    p = sub.add_parser("backends", help="list every discovered plugin and the resolved platform",
+                       description="List every discovered plugin (backends, then the plugins "
+                                   "that register training methods and rewards) and how the "
+                                   "platform resolves every op and component kind.")
+    p.add_argument("--backend", metavar="NAME",
+                   help="show the platform of this backend (default: the highest-priority "
+                        "available one)")
     p.add_argument("--json", action="store_true", help="print a JSON list of plugin objects")
     p.add_argument("--strict", action="store_true", help="exit non-zero if any plugin is broken")
-    p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of broken plugins")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="the long form: every op at every arch rung, implementation ids, "
+                        "tracebacks of broken plugins")
     p.set_defaults(func=cmd_backends)
 
-    g = sub.add_parser("generate", help="generate an image or a video from a checkpoint")
+    g = sub.add_parser(
+        "generate", help="generate an image or a video from a checkpoint",
+        description="Generate an image or a video from a diffusers-format checkpoint (or run a "
+                    "cross-model workflow) and write it atomically. Every sampling option left "
+                    "unset takes the checkpoint's own serving default (its flowseam.json), else "
+                    "the model card's default.",
+        epilog="Example, with a demo model (flowseam models lists where they are): flowseam "
+               "generate --model DIR/digits-t2i --prompt 'a handwritten digit seven' "
+               "--output seven.png")
     g.add_argument("--model", action="append", required=True, metavar="PATH",
                    help="diffusers-format checkpoint directory or hub id (twice for --workflow)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--image", help="conditioning image for image-to-video")
     g.add_argument("--workflow", help="a cross-model workflow, e.g. t2i-i2v")
-    g.add_argument("--steps", type=int, help="denoising steps (card default if unset)")
+    g.add_argument("--steps", type=int, help="denoising steps")
     g.add_argument("--guidance", type=float, help="guidance scale")
     g.add_argument("--guidance-2", type=float,
                    help="guidance scale of the low-noise expert of a two-expert (Wan2.2) model "
@@ -289,7 +511,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "with a warning instead of refusing (repeatable; _class_name runs the "
                         "card's default scheduler)")
     g.add_argument("--negative-prompt")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cache", metavar="NAME:THRESHOLD",
+                   help="adaptive step caching: skip the DiT on steps where its velocity "
+                        "changes little (reuse or extrapolate, e.g. extrapolate:0.1); off by default")
+    g.add_argument("--lora", action="append", metavar="PATH[:WEIGHT][@EXPERT]",
+                   help="a LoRA .safetensors file (diffusers/peft, kohya or ComfyUI layout) with "
+                        "its weight (default 1.0) and, for Wan2.2, the expert (transformer_2); "
+                        "repeat for several adapters")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default 0)")
     g.add_argument("--frames", type=int, help="video length in frames (Wan: 4k+1)")
     g.add_argument("--height", type=int, help="pixels")
     g.add_argument("--width", type=int, help="pixels")
@@ -300,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LTX-2: 1 = generate at --height x --width; 2 (default) = half size, "
                         "latent upsample x2, refine")
     g.add_argument("--audio-guidance", type=float, help="LTX-2: CFG scale of the audio")
+    g.add_argument("--max-sequence-length", type=int, metavar="N",
+                   help="text tokens the text encoder keeps (sample with what the model was "
+                        "trained with); with --workflow, the text-to-image stage's")
     g.add_argument("--backend", action="append",
                    help="backend name (default: the highest-priority available); with --workflow, "
                         "give it twice to choose each stage's backend")
@@ -317,11 +549,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="causal checkpoints: first latent frames kept in the window")
     g.set_defaults(func=cmd_generate)
 
-    t = sub.add_parser("train", help="run a training method (finetune, flowgrpo, workflow_rl, ...)")
-    t.add_argument("--method", required=True, help="a registered training method")
-    t.add_argument("--config", required=True, help="a .toml or .yaml config file")
+    t = sub.add_parser(
+        "train", help="run a training method (finetune, flowgrpo, workflow_rl, ...)",
+        description="Run a registered training method with a TOML or YAML config. The run "
+                    "writes its metrics, its checkpoints (always one at the last step) and, at "
+                    "the end, the trained model in diffusers format (OUTPUT_DIR/model, what "
+                    "flowseam generate --model takes; a LoRA run also writes "
+                    "OUTPUT_DIR/pytorch_lora_weights.safetensors). Rerunning the same command "
+                    "resumes from the latest checkpoint.",
+        epilog=_registered_methods_text, formatter_class=_HelpFormatter)
+    t.add_argument("--method", required=True, help="a registered training method (listed below)")
+    t.add_argument("--config", metavar="FILE", help="a .toml or .yaml config file")
+    t.add_argument("--show-config", action="store_true",
+                   help="print every key of the method's config with its default, then exit")
+    t.add_argument("--output-dir", metavar="DIR",
+                   help="where the run writes (overrides the config's output_dir)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a top-level config key (value parsed as JSON when it can be)")
+                   help="override a config key, TABLE.KEY for a key of a table "
+                        "(e.g. sampling.height=64); the value is parsed as JSON when it can be")
     t.add_argument("--nproc", type=int, metavar="N",
                    help="data-parallel training on N ranks of this machine (torchrun: gloo on CPU, "
                         "nccl on GPU, one GPU per rank); rank 0 writes metrics and checkpoints")
@@ -362,7 +607,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int,
                    help="torch CPU threads (default: torch's, one per core); on a shared or "
                         "small CPU machine fewer threads than cores often run faster")
+    s.add_argument("--lora", action="append", metavar="PATH",
+                   help="a LoRA .safetensors file loaded at start into every model it fits; "
+                        "requests name loaded files in their 'lora' field (repeatable)")
     s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("models", help="list where the demo models are installed",
+                       description="List the demo's models (digits-t2i: FLUX.1 architecture, "
+                                   "text to image; digits-i2v: Wan2.1 I2V, image to video): where "
+                                   "each is installed (the cache flowseam demo builds into, and "
+                                   "the weights shipped in the package), its serving defaults, "
+                                   "and how to generate with it.")
+    m.add_argument("--cache", help="the demo's model cache (default $FLOWSEAM_DEMO_CACHE or "
+                                   "outputs/models)")
+    m.add_argument("--json", action="store_true", help="print a JSON list")
+    m.set_defaults(func=cmd_models)
 
     d = sub.add_parser("demo", help="the main job on real handwritten digits: build or load the "
                                     "demo models, run the text-to-image → image-to-video "
@@ -402,6 +661,28 @@ def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: temporary files a
     raise SystemExit(EXIT_TERMINATED)
 
 
+class _Version(argparse.Action):
+    """``--version``, printed as is (argparse's own action rewraps the text)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """``flowseam 0.1.0`` and the version of every installed plugin distribution (without
+    importing them)."""
+    from importlib import metadata
+
+    from . import __version__
+    from .plugins import ENTRY_POINT_GROUP
+
+    dists = sorted({f"{ep.dist.metadata['Name']} {ep.dist.version}"
+                    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
+                    if ep.dist is not None and ep.dist.metadata["Name"] != "flowseam"})
+    return f"flowseam {__version__}" + (f" (plugins: {', '.join(dists)})" if dists else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; see :data:`EXIT_USAGE` and the others for the exit statuses.
 
@@ -411,19 +692,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    enable_notices()  # a backend compiling on its first call says so (flowseam.console.long_wait)
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's final flush
+        return status
     except PluginFaultError as exc:
         print(f"flowseam: plugin fault: {exc}", file=sys.stderr)
         return EXIT_PLUGIN_FAULT
     except (FlowseamError, ValueError) as exc:
-        option = GENERATE_OPTIONS.get(getattr(exc, "field", ""), None)
-        where = f"{option}: " if option and args.command == "generate" else ""
-        print(f"flowseam: error: {where}{exc}", file=sys.stderr)
+        print(f"flowseam: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # the reader went away (flowseam backends --json | head): stop quietly, as cat does.
+        # Point stdout at devnull so that the interpreter's final flush cannot raise again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -211,6 +211,8 @@ class ComponentRecord:
 
     :ivar fallback: True when it was built on a later device of the chain than the first.
     :ivar reason: why it is not on the first device (empty when it is).
+    :ivar dtype: its parameters' dtype (:func:`module_dtype`: ``"bfloat16"``, or
+        ``"bfloat16+float32"`` for a mixed-precision module); empty for a tokenizer or processor.
     """
 
     kind: str
@@ -221,3 +223,72 @@ class ComponentRecord:
     reason: str = ""
     distribution: str = "?"
     version: str = "?"
+    dtype: str = ""
+
+
+def compute_dtype(obj: Any) -> Any:
+    """The lowest-precision floating-point dtype of ``obj``'s parameters (``torch.bfloat16`` for
+    a bf16 model with float32 norms), ``torch.float32`` when it has none (a tokenizer)."""
+    import torch
+
+    try:
+        found = {p.dtype for p in obj.parameters() if p.is_floating_point()}
+    except (AttributeError, TypeError):
+        found = set()
+    return min(found, key=lambda d: (d.itemsize, str(d))) if found else torch.float32
+
+
+#: the inputs :func:`cast_inputs` casts by default: the activations diffusers' pipelines hand a
+#: transformer (or a VAE) in its dtype — latents and embeddings. Timesteps, sigmas, RoPE
+#: coordinates, position ids and masks stay as the caller gave them (float32), as in diffusers'
+#: pipelines: in bfloat16 a timestep near 1000 or a video coordinate would lose its low bits
+#: before the model's own float32 embedding of it.
+ACTIVATIONS = ("hidden_states", "encoder_hidden_states", "audio_hidden_states",
+               "audio_encoder_hidden_states", "encoder_hidden_states_image",
+               "pooled_projections", "sample", "x", "z")
+
+
+def cast_inputs(module: Any, dtype: Any = None, names: tuple[str, ...] = ACTIVATIONS) -> Any:
+    """Make ``module`` cast its floating-point tensor inputs named in ``names`` (positional or
+    keyword, nested in lists and tuples too) to ``dtype`` before ``forward`` runs: a forward
+    pre-hook. For a component a backend builds in reduced precision, so that a caller holding
+    float32 tensors (the conformance suite's replays, a workflow's other model, user code) can
+    call it as it calls the float32 build. Other inputs (:data:`ACTIVATIONS`), integer and bool
+    tensors are left alone.
+
+    :param dtype: default :func:`compute_dtype` of ``module``.
+    :param names: the ``forward`` parameters to cast.
+    :returns: ``module`` (the hook is registered in place).
+    """
+    import inspect
+
+    import torch
+
+    dtype = compute_dtype(module) if dtype is None else dtype
+    positional = list(inspect.signature(module.forward).parameters)
+
+    def cast(value: Any) -> Any:
+        if torch.is_tensor(value) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(v) for v in value)
+        return value
+
+    def hook(_module: Any, args: tuple, kwargs: dict) -> tuple:
+        args = tuple(cast(v) if i < len(positional) and positional[i] in names else v
+                     for i, v in enumerate(args))
+        return args, {k: cast(v) if k in names else v for k, v in kwargs.items()}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return module
+
+
+def module_dtype(obj: Any) -> str:
+    """The floating-point dtypes of ``obj``'s parameters, lowest precision first, joined by
+    ``+`` (``"float32"``; ``"bfloat16+float32"`` for a bf16 model that keeps its norms in
+    float32); ``""`` for an object without floating-point parameters (a tokenizer)."""
+    try:
+        found = {p.dtype for p in obj.parameters() if p.is_floating_point()}
+    except (AttributeError, TypeError):
+        return ""
+    return "+".join(str(d).removeprefix("torch.") for d in sorted(found, key=lambda d: (d.itemsize, str(d))))

@@ -1,30 +1,39 @@
-"""What the command line and the demo print: the backend table, and quiet libraries.
+"""What flowseam prints: the backend table, quiet libraries, and notices of long waits.
 
-Shared by :mod:`flowseam.cli` and :mod:`flowseam.demo` (which must not import each other).
+Shared by :mod:`flowseam.cli`, :mod:`flowseam.demo` (which must not import each other), the
+loaders and the backends (:func:`long_wait`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterator, Sequence
+
 from .errors import FlowseamError
 
 
-def backend_rows(strict: bool) -> tuple[list[dict], str | None]:
-    """(one ``flowseam backends --json`` row per plugin, the detected platform's explain())."""
+def backend_rows(strict: bool, backend: str | None = None) -> tuple[list[dict], Any]:
+    """(one ``flowseam backends --json`` row per plugin, the platform or None).
+
+    The platform is ``Platform(backend)`` when a backend is named, else the detected one (None
+    when no backend is available); the plugins it uses get the status ``active``.
+
+    :raises BackendUnavailableError: if ``backend`` is unknown or unusable (listing every backend).
+    """
     from .platform import Platform
     from .plugins import discover, raise_if_broken
 
     reg = discover()
     if strict:
         raise_if_broken(reg)
-    active: set[str] = set()
-    explain = None
-    try:
-        platform = Platform.detect(registry=reg)
-    except FlowseamError:
-        platform = None
-    if platform is not None:
-        active = {p["name"] for p in platform.to_dict()["plugins"]}
-        explain = platform.explain()
+    if backend is not None:
+        platform = Platform(backend, registry=reg)
+    else:
+        try:
+            platform = Platform.detect(registry=reg)
+        except FlowseamError:
+            platform = None
+    active = {p["name"] for p in platform.to_dict()["plugins"]} if platform is not None else set()
     conflicts = reg.name_conflicts()
     rows = []
     for rec in sorted(reg.records.values(), key=lambda r: (r.backend is None, -r.priority, r.name)):
@@ -33,41 +42,230 @@ def backend_rows(strict: bool) -> tuple[list[dict], str | None]:
             row["status"] = "active"
         row["conflicts"] = [str(c) for c in conflicts if rec.name in c.plugins]
         rows.append(row)
-    return rows, explain
+    return rows, platform
 
 
-def print_backend_table(rows: list[dict] | None = None, explain: str | None = None,
-                        verbose: bool = False) -> None:
-    """Print what ``flowseam backends`` prints: every plugin with its status, then how the
-    platform resolved every op and component. ``rows``/``explain`` default to a discovery."""
+def terminal_width(default: int = 100) -> int:
+    """The width to format tables for: the terminal's when stdout is one, else ``default``."""
+    import shutil
+    import sys
+
+    if sys.stdout.isatty():
+        return max(60, shutil.get_terminal_size((default, 24)).columns)
+    return default
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], width: int,
+                 wrap: Sequence[int] = ()) -> list[str]:
+    """Lines of a left-aligned table (a header, a rule, the rows) no wider than ``width`` when
+    it can be: the columns whose indices are in ``wrap`` share the width the others leave and
+    wrap between words (a list after its commas, never inside an item); the other columns are as
+    wide as their longest cell."""
+    import textwrap
+
+    gap = 2
+    natural = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+    widths = list(natural)
+    if wrap:
+        fixed = sum(w + gap for i, w in enumerate(natural) if i not in wrap)
+        room = width - fixed - gap * (len(wrap) - 1)
+        # each wrapping column gets a share in proportion to its content, at least its longest
+        # word (lines break at spaces only, so a list breaks between its items)
+        longest = {i: max([len(header[i])] + [len(word) for r in rows for word in r[i].split()])
+                   for i in wrap}
+        if sum(natural[i] for i in wrap) > room:
+            # every wrapping column gets its longest word; the room left over goes first to the
+            # columns that then fit unwrapped (least need first), the rest is shared in
+            # proportion to need
+            extra = max(0, room - sum(longest.values()))
+            need = {i: natural[i] - longest[i] for i in wrap}
+            for i in wrap:
+                widths[i] = longest[i]
+            pending = sorted(wrap, key=lambda i: need[i])
+            while pending and need[pending[0]] <= extra // len(pending):
+                i = pending.pop(0)
+                widths[i] += need[i]
+                extra -= need[i]
+            total = sum(need[i] for i in pending) or 1
+            for i in pending:
+                widths[i] += extra * need[i] // total
+    lines = []
+    for cells in [list(header)] + [list(r) for r in rows]:
+        parts = []
+        for i, cell in enumerate(cells):
+            if i in wrap and len(cell) > widths[i]:
+                parts.append(textwrap.wrap(cell, widths[i], break_long_words=False,
+                                           break_on_hyphens=False))
+            else:
+                parts.append([cell])
+        for k in range(max(len(p) for p in parts)):
+            line = "".join(f"{(p[k] if k < len(p) else ''):<{w + gap}}"
+                           for p, w in zip(parts, widths))
+            lines.append(line.rstrip())
+        if cells == list(header):
+            lines.append("-" * min(width, max(len(x) for x in lines)))
+    return lines
+
+
+def _ops_cell(row: dict, verbose: bool) -> str:
+    """``["flow_match_step@generic", "flow_match_step@sm80"]`` → ``flow_match_step
+    (generic,sm80)``: each op once with its arch rungs (the long form with ``verbose``)."""
+    if verbose:
+        return ", ".join(row["ops"]) or "-"
+    by_op: dict[str, list[str]] = {}
+    for item in row["ops"]:
+        op, _, arch = item.partition("@")
+        by_op.setdefault(op, []).append(arch)
+    return ", ".join(f"{op} ({','.join(archs)})" for op, archs in by_op.items()) or "-"
+
+
+def print_backend_table(rows: list[dict] | None = None, platform: Any = None,
+                        verbose: bool = False, backend: str | None = None,
+                        width: int | None = None) -> None:
+    """Print what ``flowseam backends`` prints: the backends with their status, ops and
+    component kinds; the other plugins with the training methods and rewards they register;
+    then how the platform resolves every op and component.
+
+    Tables wrap their lists to fit ``width`` (default: the terminal's, else 100 columns);
+    ``verbose`` prints the long form (every op at every arch rung, unwrapped) and the tracebacks
+    of broken plugins and the kernels' implementation ids. ``rows`` and ``platform`` default to
+    a discovery and ``backend``'s platform (the detected one if None).
+    """
+    import textwrap
+
     if rows is None:
-        rows, explain = backend_rows(strict=False)
-    cols = [("name", lambda r: r["name"]), ("distribution", lambda r: r["distribution"]),
-            ("version", lambda r: r["version"]), ("status", lambda r: r["status"]),
-            ("device", lambda r: r["device"] or "-"),
-            ("ops", lambda r: ", ".join(r["ops"]) or "-"),
-            ("components", lambda r: ", ".join(r["components"]) or "-"),
-            ("methods", lambda r: ", ".join(r["methods"] + r["rewards"]) or "-")]
-    cells = [[get(r) for _, get in cols] for r in rows]
-    widths = [max([len(name)] + [len(c[i]) for c in cells]) + 2 for i, (name, _) in enumerate(cols)]
-    header = "".join(f"{name:<{w}}" for (name, _), w in zip(cols, widths)).rstrip()
-    print(header)
-    print("-" * len(header))
-    for r, row in zip(rows, cells):
-        print("".join(f"{c:<{w}}" for c, w in zip(row, widths)).rstrip())
+        rows, platform = backend_rows(strict=False, backend=backend)
+    width = width or terminal_width()
+    if verbose:
+        width = 10 ** 6
+    backends = [r for r in rows if r["device"] or r["status"] == "broken" and not r["methods"]]
+    others = [r for r in rows if r not in backends]
+
+    def reasons(r: dict) -> None:
         if r["reason"]:
-            print(f"  reason: {r['reason']}")
+            print(textwrap.fill(r["reason"], width, initial_indent="  reason: ",
+                                subsequent_indent="          ", break_on_hyphens=False))
         for patch in r.get("patches") or ():
             print(f"  patches torch: {patch}")
         for conflict in r.get("conflicts") or ():
             print(f"  name conflict: {conflict} (use '<plugin>:<name>' or block one)")
         if verbose and r.get("traceback"):
             print("\n".join(f"    {line}" for line in r["traceback"].splitlines()))
+
+    def table(header: list[str], cells: list[list[str]], group: list[dict], wrap: tuple) -> None:
+        lines = format_table(header, cells, width, wrap)
+        print("\n".join(lines[:2]))
+        body = lines[2:]
+        starts = [i for i, line in enumerate(body) if line and not line.startswith(" ")]
+        for n, r in enumerate(group):
+            end = starts[n + 1] if n + 1 < len(starts) else len(body)
+            print("\n".join(body[starts[n]:end]))
+            reasons(r)
+
+    if backends:
+        table(["backend", "distribution", "version", "status", "device", "ops", "components"],
+              [[r["name"], r["distribution"], r["version"], r["status"], r["device"] or "-",
+                _ops_cell(r, verbose), ", ".join(r["components"]) or "-"] for r in backends],
+              backends, (5, 6))
+    if others:
+        print()
+        table(["plugin", "distribution", "version", "status", "methods", "rewards"],
+              [[r["name"], r["distribution"], r["version"], r["status"],
+                ", ".join(r["methods"]) or "-", ", ".join(r["rewards"]) or "-"] for r in others],
+              others, (4, 5))
     if not rows:
         print("(no flowseam plugins installed: pip install flowseam-cpu)")
-    if explain:
+    if platform is not None:
         print()
-        print(explain)
+        print(platform.explain(verbose=verbose, width=width))
+
+
+@contextlib.contextmanager
+def library_output(verbose: bool = False) -> Iterator[None]:
+    """Within the block, unless ``verbose``: diffusers' and transformers' log messages below
+    ERROR (their "experimental feature" and fallback notices) and their progress bars (weight
+    loading, shard writing) are off. Their previous settings are restored on exit, so a
+    program's own choices survive a call to :func:`flowseam.load`."""
+    if verbose:
+        yield
+        return
+    import diffusers
+    import transformers
+
+    libs = (diffusers.utils.logging, transformers.utils.logging)
+    saved = [(lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs]
+    for lib in libs:
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib, (level, bars) in zip(libs, saved):
+            lib.set_verbosity(level)
+            (lib.enable_progress_bar if bars else lib.disable_progress_bar)()
+
+
+#: whether :func:`long_wait` tells the user (the command line turns it on)
+_NOTICES = False
+
+
+def enable_notices(on: bool = True) -> None:
+    """Turn :func:`long_wait`'s notices on (the ``flowseam`` command does; a program that wants
+    them calls this) or off (the default for library use)."""
+    global _NOTICES
+    _NOTICES = on
+
+
+def notices_enabled() -> bool:
+    """Whether :func:`long_wait` tells the user (:func:`enable_notices`)."""
+    return _NOTICES
+
+
+class Wait:
+    """What :func:`long_wait` yields: set :attr:`outcome` to finish its closing line
+    (``"compiled"``, ``"ready (compiled before)"``)."""
+
+    outcome = "done"
+
+
+@contextlib.contextmanager
+def long_wait(message: str) -> Iterator[Wait]:
+    """Tell the user about a one-off wait that would otherwise look like a hang, such as a
+    backend compiling a model on its first call. While the block runs, ``message`` and the
+    seconds elapsed on stderr (one line that ticks on a terminal; a start and an end line in a
+    log), then ``<message>: <outcome> in N s``. Silent unless notices are on
+    (:func:`enable_notices`). For backends: ``from flowseam.console import long_wait``."""
+    import sys
+    import threading
+    import time
+
+    wait = Wait()
+    if not _NOTICES:
+        yield wait
+        return
+    stream, start = sys.stderr, time.perf_counter()
+    ticking = stream.isatty()
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            stream.write(f"\r{message} ... {time.perf_counter() - start:.0f} s")
+            stream.flush()
+
+    stream.write(f"{message} ...{'' if ticking else chr(10)}")
+    stream.flush()
+    thread = threading.Thread(target=tick, daemon=True) if ticking else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield wait
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join()
+        stream.write(f"{chr(13) if ticking else ''}{message}: {wait.outcome} in "
+                     f"{time.perf_counter() - start:.1f} s\n")
+        stream.flush()
 
 
 def quiet_libraries() -> None:

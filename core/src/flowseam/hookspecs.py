@@ -97,9 +97,9 @@ def flowseam_register_kernels() -> Iterable[KernelRegistration] | None:
 @hookspec
 def flowseam_component_kinds() -> Iterable[str] | None:
     """Declare the component kinds (``"dit"``, ``"vae"``, ``"text_encoder"``, ...) this backend
+    can build on its device; ``"*"`` means every kind (the cpu backend declares it).
 
     firstresult: no — every plugin's kinds are collected.
-    can build on its device; ``"*"`` means every kind (the cpu backend declares it).
 
     Called once at discovery. A kind that no plugin of a device declares falls back to the next
     device of the chain (ultimately ``cpu``), and the platform records that fallback.
@@ -145,7 +145,8 @@ def flowseam_build_component(kind: str, spec: ComponentSpec, device: str) -> tor
     non-None result wins; declining moves on to the next plugin, then the next device.
 
     :param kind: ``"dit"``, ``"vae"``, ``"text_encoder"``, ...
-    :param spec: where the weights are and which class loads them.
+    :param spec: where the weights are, which class loads them, and the dtype the card asks
+        for (``spec.dtype``: build in it or decline; None leaves the dtype to the backend).
     :param device: the flowseam device this backend is asked to serve (its declared device).
     :returns: a ``torch.nn.Module`` (or a tokenizer/processor object for non-module kinds), or
         None. An exception propagates to the caller: a component that should build and does

@@ -10,11 +10,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .components import ComponentSpec, check_component_class
+from .console import library_output
+from .defaults import read_checkpoint_defaults
 from .errors import CheckpointError, FlowseamError
 from .models import card_for_index, declared
 from .models.base import ModelCard, ModelInstance
 from .platform import Platform
-from .request import TaskType
+from .request import DiffusionParams, TaskType
+from .schedulers import SERVING_DEFAULTS
 
 
 def looks_like_path(text: str) -> bool:
@@ -85,14 +88,17 @@ def read_card(path_or_hub_id: str | os.PathLike) -> ModelCard:
 
 
 def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
-         ignore_scheduler_options: Iterable[str] = (), quiet: bool = False) -> ModelInstance:
+         ignore_scheduler_options: Iterable[str] = (), quiet: bool = False,
+         verbose: bool = False) -> ModelInstance:
     """Load a diffusers-format checkpoint (WanPipeline, WanImageToVideoPipeline, Wan2.2's
     two-expert layouts of both, FluxPipeline, LTX2Pipeline, LTX2ImageToVideoPipeline, or
     flowseam's causal Wan layout) into a flowseam model instance.
 
     The card is chosen from ``model_index.json``; the solver from
     ``scheduler/scheduler_config.json`` (:mod:`flowseam.schedulers`: the checkpoint's settings
-    are the default, refused options are named) before any weights load; every component is
+    are the default, refused options are named) before any weights load; the checkpoint's own
+    serving defaults from ``flowseam.json`` when it has one (:mod:`flowseam.defaults`: they fill
+    a request's unset parameters before the scheduler config and the card do); every component is
     built with ``platform.build_component(kind, spec)`` (so a backend may override it and
     anything it leaves out falls back to cpu); every DiT expert's attention is routed through
     ``platform.kernels``' ``attention`` op (and ``cached_attention`` for a causal checkpoint).
@@ -106,12 +112,21 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     :param platform: default ``Platform.detect()``.
     :param ignore_scheduler_options: scheduler_config.json keys (or ``"_class_name"``) that
         flowseam does not implement, to ignore with a warning instead of refusing them.
+    :param quiet: do not print flowseam's load line.
+    :param verbose: let diffusers and transformers print their loading progress bars and
+        notices (off by default: :func:`flowseam.console.library_output`).
     :raises FlowseamError: for a missing directory, an unreachable hub, a missing or corrupt
-        checkpoint file, a checkpoint without a component its card needs (naming what is
-        missing and what the card needs), a layout or scheduler option flowseam refuses (named
-        in the message); all before any weights load.
+        checkpoint file (``flowseam.json`` included), a checkpoint without a component its card
+        needs (naming what is missing and what the card needs), a layout or scheduler option
+        flowseam refuses (named in the message); all before any weights load.
     :raises ValueError: if no card matches the checkpoint's pipeline class.
     """
+    with library_output(verbose):
+        return _load(path_or_hub_id, platform, ignore_scheduler_options, quiet)
+
+
+def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
+          ignore_scheduler_options: Iterable[str], quiet: bool) -> ModelInstance:
     root = resolve_checkpoint(path_or_hub_id)
     index_file = root / "model_index.json"
     index = read_json(index_file)
@@ -129,6 +144,12 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
                                      ignore=ignore_scheduler_options,
                                      index_class=index["scheduler"][1]
                                      if declared(index, "scheduler") else None)
+    serve_defaults = read_checkpoint_defaults(root)  # a bad flowseam.json fails before any build
+    if solver is not None and "flow_shift" in serve_defaults:
+        # the checkpoint's own shift is a solver setting: the load line shows it, with its source
+        serve_defaults = dict(serve_defaults)
+        solver = solver.for_request(DiffusionParams(flow_shift=serve_defaults.pop("flow_shift")),
+                                    source=SERVING_DEFAULTS)
     unused = unused_components(card, index, configs)
     for name, why in unused.items():
         warnings.warn(f"{index_file}: {name} {index.get(name)!r} is not loaded: {why}",
@@ -146,6 +167,7 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     instance.read_index(index, str(index_file))
     instance.component_records = records
     instance.unused_components = unused
+    instance.serve_defaults = serve_defaults
     instance.route_attention()
     if not quiet:
         experts = f" (experts {', '.join(instance.experts)}, boundary timestep " \

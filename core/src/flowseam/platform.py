@@ -16,9 +16,10 @@ implementation ids without scanning entry points again.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from .components import MODULE_KINDS, ComponentRecord, ComponentSpec
+from .components import MODULE_KINDS, ComponentRecord, ComponentSpec, module_dtype
 from .declarations import Provenance
 from .errors import BackendUnavailableError, ComponentBuildError, FlowseamError
 from .faults import component_fault, describe
@@ -167,7 +168,7 @@ class Platform:
                     problem = _not_a_component(kind, obj)
                     if problem:
                         raise component_fault(record, f"returned {problem} for {spec.describe()}")
-                    self.components.append(record)
+                    self.components.append(dataclasses.replace(record, dtype=module_dtype(obj)))
                     return obj
                 reasons.append(f"plugin {rec.name!r} declined {kind!r} on {device!r}")
         raise ComponentBuildError(
@@ -194,8 +195,15 @@ class Platform:
         """The arch chain of the first device, most specific first, ending in ``"generic"``."""
         return self.arch_chains[self.device_chain[0]]
 
-    def explain(self) -> str:
-        """A readable table of every op and component resolution, conflicts and fallbacks."""
+    def explain(self, verbose: bool = False, width: int = 100) -> str:
+        """A readable report of every op and component resolution, conflicts and fallbacks:
+        two tables (ops: device/arch, plugin, fallback; components: kind, device, plugin, dtype,
+        fallback) with each fallback's reason whole on the line below its component.
+
+        :param verbose: add each kernel's implementation id (what ``kernels.pin`` takes).
+        """
+        from .console import format_table
+
         b = self.backend
         lines = [
             f"Platform: backend {self.name!r} ({b.distribution} {b.version}), "
@@ -205,32 +213,37 @@ class Platform:
                 f"{d}: " + ", ".join(f"{r.name} ({r.distribution} {r.version})" for r in self._serving[d])
                 for d in self.device_chain),
             "",
-            f"{'op':<18}{'device/arch':<20}{'plugin':<12}{'fallback':<10}impl_id",
         ]
         first = self.device_chain[0]
+        header = ["op", "device/arch", "plugin", "fallback"] + (["impl_id"] if verbose else [])
+        rows = []
         for op, k in self.kernels.resolved().items():
             p = k.provenance
-            lines.append(f"{op:<18}{p.device + '/' + p.arch:<20}{p.plugin:<12}"
-                         f"{'yes' if p.device != first else 'no':<10}{p.impl_id}")
+            rows.append([op, f"{p.device}/{p.arch}", p.plugin, "yes" if p.device != first else "no"]
+                        + ([p.impl_id] if verbose else []))
             # implementations that lost a conflict on this op stay visible here, not only below
             for c in self.kernels.conflicts:
                 if c.op == op:
                     for loser in c.losers:
                         lp = self.kernels.pin(loser).provenance
-                        lines.append(f"{'  not chosen':<18}{lp.device + '/' + lp.arch:<20}"
-                                     f"{lp.plugin:<12}{'-':<10}{loser}")
-        lines += ["", f"{'component':<16}{'kind':<16}{'device':<10}{'plugin':<12}{'fallback':<10}why"]
-        for c in self.components:
-            lines.append(f"{c.name:<16}{c.kind:<16}{c.device:<10}{c.plugin:<12}"
-                         f"{'yes' if c.fallback else 'no':<10}{c.reason}")
+                        rows.append(["  not chosen", f"{lp.device}/{lp.arch}", lp.plugin, "-"]
+                                    + ([loser] if verbose else []))
+        lines += format_table(header, rows, width if not verbose else 10 ** 6)
+        rows = [[c.name, c.kind, c.device, c.plugin, c.dtype or "-", "yes" if c.fallback else "no"]
+                for c in self.components]
+        whys = [c.reason for c in self.components]
         if not self.components:
             kinds = sorted({k for d in self.device_chain for r in self._serving[d]
                             for k in r.component_kinds if k != "*"} | {"dit", "vae", "text_encoder"})
             for kind in kinds:
                 device, plugin, fb = self.component_plan(kind)
-                lines.append(f"{'(planned)':<16}{kind:<16}{device:<10}{plugin:<12}"
-                             f"{'yes' if fb else 'no':<10}"
-                             f"{'' if not fb else f'no plugin serving {first!r} builds {kind!r}'}")
+                rows.append(["(planned)", kind, device, plugin, "-", "yes" if fb else "no"])
+                whys.append(f"no plugin serving {first!r} builds {kind!r}" if fb else "")
+        table = format_table(["component", "kind", "device", "plugin", "dtype", "fallback"], rows,
+                             width)
+        lines += [""] + table[:2]
+        for line, why in zip(table[2:], whys):  # the reason whole, on a line of its own
+            lines += [line] + ([f"  why: {why}"] if why else [])
         if self.conflicts:
             lines += ["", "conflicts:"] + [f"  {c}" for c in self.conflicts]
         names = self._registry.name_conflicts()

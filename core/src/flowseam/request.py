@@ -137,6 +137,13 @@ class DiffusionParams:
         repository) and MixGRPO (Li et al. 2025): the reward's spread then comes from the noise
         of those steps only, so the policy gradient is far less noisy per sample.
     :param max_sequence_length: text tokens kept by the text encoder.
+    :param lora: the request's LoRA adapter set: a tuple of :class:`flowseam.adapters.LoraSpec`
+        (path, weight, expert); strings ``"PATH[:WEIGHT][@EXPERT]"`` and mappings are converted
+        (:func:`flowseam.adapters.normalize_lora`). Empty: the base model. Each file is read
+        once per model and switched per request (:mod:`flowseam.adapters`).
+    :param cache: the step-cache policy (:class:`flowseam.loops.step_cache.CachePolicy`, or
+        ``"NAME:THRESHOLD"``): skip the DiT on steps where its velocity changes little. None
+        (the default): every step computed. Flow-match loop only (Wan T2V/I2V, FLUX.1).
     :param chunk_frames: (``wan_causal`` loop) latent frames per chunk (Self-Forcing's
         ``num_frame_per_block``).
     :param local_attn_size: (``wan_causal``) the rolling window: latent frames a chunk attends
@@ -179,11 +186,23 @@ class DiffusionParams:
     stages: int | None = None
     refine_sigmas: tuple[float, ...] | None = None
     refine_guidance_scale: float | None = None
+    lora: tuple = ()
+    cache: Any = None
 
     def __post_init__(self) -> None:
         for name in ("sde_window", "refine_sigmas"):  # TOML/YAML give lists; keep params hashable
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.lora:
+            from .adapters import normalize_lora
+
+            object.__setattr__(self, "lora", normalize_lora(self.lora))
+        elif self.lora is None:
+            object.__setattr__(self, "lora", ())
+        if self.cache is not None:
+            from .loops.step_cache import normalize_cache
+
+            object.__setattr__(self, "cache", normalize_cache(self.cache))
         self.validate()
 
     def validate(self) -> None:

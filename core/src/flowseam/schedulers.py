@@ -11,6 +11,9 @@ loaded, and every setting carries its **source**:
     a :class:`~flowseam.request.DiffusionParams` field the user set overrides its own setting
     only: ``flow_shift`` sets ``shift`` (FlowMatchEuler) or ``flow_shift`` (UniPC) and turns
     dynamic shifting off; fields left ``None`` change nothing;
+``flowseam.json``
+    the checkpoint's own serving defaults (:mod:`flowseam.defaults`): a ``flow_shift`` there
+    is applied at load like a request's, below a request's own;
 ``card default``
     the model card's value for a key the checkpoint leaves out (or, with no scheduler folder at
     all, the card's scheduler class); never over a value the checkpoint gives;
@@ -98,6 +101,8 @@ SCHEDULER_CLASSES = (EULER, UNIPC)
 
 CHECKPOINT, REQUEST, CARD_DEFAULT, DIFFUSERS_DEFAULT, IGNORED = (
     "checkpoint", "request", "card default", "diffusers default", "ignored")
+#: the source of a setting the checkpoint's own serving defaults (``flowseam.json``) give
+SERVING_DEFAULTS = "flowseam.json"
 
 #: The keys of a class that set the request's flow shift (DiffusionParams.flow_shift).
 SHIFT_KEY = {EULER: "shift", UNIPC: "flow_shift"}
@@ -212,16 +217,20 @@ class SolverConfig:
         return index > 0 and (index - 1) not in tuple(self.config.get("disable_corrector") or ())
 
     # -- per request ----------------------------------------------------------------------
-    def for_request(self, params: "DiffusionParams") -> "SolverConfig":
+    def for_request(self, params: "DiffusionParams", source: str = REQUEST) -> "SolverConfig":
         """This solver with the request's overrides: ``flow_shift`` (when set) replaces the
-        class's shift key and turns dynamic shifting off. Fields left ``None`` change nothing."""
+        class's shift key and turns dynamic shifting off. Fields left ``None`` change nothing.
+
+        :param source: what the changed settings' source reads (the checkpoint's
+            ``flowseam.json`` applies its ``flow_shift`` this way at load:
+            :data:`SERVING_DEFAULTS`)."""
         if params.flow_shift is None:
             return self
         key = SHIFT_KEY[self.scheduler_class]
         config, sources = dict(self.config), dict(self.sources)
-        config[key], sources[key] = float(params.flow_shift), REQUEST
+        config[key], sources[key] = float(params.flow_shift), source
         if config.get("use_dynamic_shifting"):
-            config["use_dynamic_shifting"], sources["use_dynamic_shifting"] = False, REQUEST
+            config["use_dynamic_shifting"], sources["use_dynamic_shifting"] = False, source
         return replace(self, config=config, sources=sources)
 
     def scheduler(self) -> Any:
@@ -444,4 +453,5 @@ class Schedule:
 
 
 __all__ = ["CARD_DEFAULT", "CHECKPOINT", "DIFFUSERS_DEFAULT", "EULER", "IGNORED", "REQUEST",
-           "SCHEDULER_CLASSES", "Schedule", "SolverConfig", "UNIPC", "resolve_solver"]
+           "SCHEDULER_CLASSES", "SERVING_DEFAULTS", "Schedule", "SolverConfig", "UNIPC",
+           "resolve_solver"]

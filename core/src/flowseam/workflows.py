@@ -52,11 +52,13 @@ class Workflow:
         """One set of parameters (a video's: size, steps, guidance, seed...) → the parameters of
         each stage: the image stage takes the same ones minus ``num_frames``, ``negative_prompt``,
         ``guidance_scale_2`` and LTX-2's video and sound parameters (a text-to-image card has none
-        of them); the video stage takes them all. ``flowseam generate --workflow`` and
+        of them); the video stage takes them all but ``max_sequence_length``, the image model's
+        text length (the video model keeps its own default). ``flowseam generate --workflow`` and
         ``flowseam serve`` both derive the stages this way."""
         video_only = dict.fromkeys(CARD_SPECIFIC)
-        return params.replace(num_frames=None, negative_prompt=None, guidance_scale_2=None,
-                              **video_only), params
+        return (params.replace(num_frames=None, negative_prompt=None, guidance_scale_2=None,
+                               **video_only),
+                params.replace(max_sequence_length=None))
 
     def requests(self, prompt: str, t2i_params: DiffusionParams, i2v_params: DiffusionParams,
                  image: Any = None, seed: int = 0) -> tuple[GenerationRequest, GenerationRequest]:

@@ -168,11 +168,58 @@ def ensure_models(cache_dir: str | os.PathLike | None = None,
                 found = lookup(shipped_dir(), recipe)
         if found is not None:
             log(f"{name}: using {found} (recipe sha256 {recipe.key(quick)[:12]} matches)")
+            if found.parent == cache:  # [serve] is not hashed: it may have changed since the build
+                write_serve_defaults(found, recipe)
             out[name] = found
             continue
         log(f"{name}: building from {recipe.path}{' (quick)' if quick else ''} into {cache / name}")
         out[name] = build_model(recipe, cache, quick=quick, progress=progress, log=log)
     return out
+
+
+def write_serve_defaults(model_dir: Path, recipe: Recipe) -> None:
+    """Write the recipe's ``[serve]`` table as the model's own serving defaults
+    (``flowseam.json``, :mod:`flowseam.defaults`), so that ``flowseam generate`` samples it as the
+    demo does; unchanged files are left alone."""
+    from ..defaults import (
+        FILENAME,
+        check_checkpoint_defaults,
+        read_checkpoint_defaults,
+        write_checkpoint_defaults,
+    )
+
+    serve = dict(recipe.config.get("serve", {}))
+    wanted = check_checkpoint_defaults({"serve": serve}, recipe.path)["serve"]
+    if (model_dir / FILENAME).is_file() and read_checkpoint_defaults(model_dir) == wanted:
+        return
+    write_checkpoint_defaults(model_dir, serve)
+
+
+def demo_models(cache_dir: str | os.PathLike | None = None,
+                recipes: dict[str, Recipe] | None = None) -> list[dict[str, Any]]:
+    """Where each demo model is installed: one row per recipe and place (the cache directory,
+    then the weights shipped in the package), with its card, whether it matches the current
+    recipe, and its serving defaults. A place that holds no model of the recipe is left out.
+
+    :returns: ``[{"name", "path", "source" ("cache" | "shipped"), "card", "matches_recipe",
+        "serve"}]``, in the order :func:`ensure_models` looks.
+    """
+    from ..defaults import read_checkpoint_defaults
+
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    recipes = recipes if recipes is not None else read_recipes()
+    rows = []
+    for name, recipe in recipes.items():
+        for source, place in (("cache", cache), ("shipped", shipped_dir())):
+            model = place / name
+            if not (model / "model_index.json").is_file():
+                continue
+            entry = read_manifest(place).get(name, {})
+            rows.append({"name": name, "path": str(model), "source": source,
+                         "card": entry.get("card") or recipe.config.get("card"),
+                         "matches_recipe": lookup(place, recipe) is not None,
+                         "serve": read_checkpoint_defaults(model)})
+    return rows
 
 
 # -- building -----------------------------------------------------------------------------------
@@ -230,10 +277,11 @@ def build_model(recipe: Recipe, cache_dir: str | os.PathLike, *, quick: bool = F
     log(f"{recipe.name}: transformer trained in {ft_seconds:.0f} s ({len(losses)} steps, loss "
         f"{np.mean(losses[:10]):.3f} → {np.mean(losses[-10:]):.3f})")
 
-    # 4. Save in diffusers format (with the recipe), check, and record.
-    final = work / "model"
-    ft.save(final)
+    # 4. The run saved it in diffusers format; add the recipe and its serving defaults, check,
+    # and record.
+    final = Path(summary["model"])
     shutil.copyfile(recipe.path, final / RECIPE_COPY)
+    write_serve_defaults(final, recipe)
     metrics = evaluate_model(recipe, _load(final, Platform("cpu")),
                              samples=QUICK["eval_samples"] if quick else None)
     log(f"{recipe.name}: {metrics['summary']}")

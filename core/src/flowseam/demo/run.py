@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,8 +104,16 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     quiet_libraries()
     out = Path(opts.output)
 
-    # 1. The backends.
-    print_backend_table()
+    # 1. The backends, and the platform the demo runs on. cpu unless asked: accel compiles every
+    # model per input shape (torch.compile), minutes of compilation on a 2-core machine before
+    # the first sample.
+    backend = opts.backend or DEFAULT_BACKEND
+    print_backend_table(backend=backend)
+    detected = Platform.detect().name
+    print(f"\ndemo backend: {backend}" + ("" if opts.backend or detected == backend else
+          f" — the demo's default, so that no model waits for a compiler; the highest-priority "
+          f"backend here is {detected!r} (flowseam generate's default): --backend {detected} "
+          "runs the demo on it"))
     print()
 
     # 2. The models: cached, shipped, or built now.
@@ -119,11 +128,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         summary["seconds_total"] = round(time.perf_counter() - started, 1)
         print(f"models ready in {build_seconds:.0f} s")
         return summary
-    # cpu unless asked: accel compiles every model per input shape (torch.compile), minutes of
-    # compilation on a 2-core machine before the first sample.
-    platform = Platform(opts.backend or DEFAULT_BACKEND)
-    print(f"demo backend: {platform.name}" + ("" if opts.backend else
-          " (the demo's default; --backend NAME picks another, e.g. one of the table's)"))
+    platform = Platform(backend)
     t2i = load(paths["digits-t2i"], platform=platform)
     i2v = load(paths["digits-i2v"], platform=platform)
     print(t2i.provenance())
@@ -143,6 +148,9 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
     # 4. workflow_rl on the digit_video reward, with held-out evaluations before and after.
     seeds = list(range(EVAL_SEED_BASE, EVAL_SEED_BASE + opts.eval_seeds))
+    # every demo run trains from the shipped models: a previous run's rl/ (its final checkpoint
+    # would be resumed) goes, as its videos and figures are rewritten
+    shutil.rmtree(out / "rl", ignore_errors=True)
     config = rl_config(prompts, opts.steps, opts.group_size, t2i_params, i2v_params,
                        output_dir=str(out / "rl"))
     rl = WorkflowRL(config, t2i=t2i, i2v=i2v)
@@ -172,6 +180,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         "reward_before": {"mean": float(reward_before.mean()), "std": float(reward_before.std())},
         "reward_after": {"mean": float(reward_after.mean()), "std": float(reward_after.std())},
         "t2i_weights_changed": bool(t2i_changed),
+        "trained_models": {k: v["model"] for k, v in result.get("exported", {}).items()},
         "generated_digit_accuracy_before": acc_before, "generated_digit_accuracy_after": acc_after,
         "workflow_video_accuracy_before": video_accuracy(prompts, before, px_video),
         "workflow_video_accuracy_after": video_accuracy(prompts, after, px_video),
@@ -188,6 +197,9 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
           f"{acc_before['accuracy']:.0%} before RL, {acc_after['accuracy']:.0%} after")
     print(f"metrics: {out / 'rl' / 'metrics.jsonl'}; plot: {out / 'reward.png'}; "
           f"summary: {out / 'summary.json'}")
+    for stage, paths in result.get("exported", {}).items():
+        print(f"trained {stage} model: {paths['model']} (flowseam generate --model "
+              f"{paths['model']} ...)")
     print(f"demo finished in {summary['seconds_total']:.0f} s")
     return summary
 

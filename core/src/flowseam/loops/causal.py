@@ -76,8 +76,9 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
     """
     t_start = time.perf_counter()
     # 1. Check inputs: fill the defaults (card's, then the checkpoint's), validate, one
-    #    generator per sample.
+    #    generator per sample; switch the DiT to the request's LoRA set (flowseam.adapters).
     params = model.check(request)
+    model.adapters.activate(params.lora)
     seeds = request.sample_seeds(params)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
 

@@ -22,6 +22,7 @@ from ..faults import check_finite, check_velocity, component_faults
 from ..request import GenerationRequest
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 from .solvers import SolverSteps
+from .step_cache import StepCache, check_cache
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
@@ -46,8 +47,12 @@ def run(model: "ModelInstance", request: GenerationRequest,
         the kernel's ``impl_id`` (:mod:`flowseam.faults`).
     """
     t_start = time.perf_counter()
-    # 1. Check inputs: fill the card's defaults, validate, one generator per sample.
+    # 1. Check inputs: fill the card's defaults, validate, one generator per sample; switch the
+    #    DiT experts to the request's LoRA set (each file read once per model; flowseam.adapters).
     params = model.check(request)
+    capture = profile is ExecutionProfile.ROLLOUT
+    check_cache(params.cache, capture)
+    model.adapters.activate(params.lora)
     seeds = request.sample_seeds(params)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
 
@@ -67,8 +72,10 @@ def run(model: "ModelInstance", request: GenerationRequest,
     # 4. Denoise: the solver op is picked once, before the first step, from the schedule's
     #    solver (an SDE rollout runs Flow-GRPO's first-order steps on the same schedule); each
     #    step's expert is the DiT that owns its timestep (one for Wan2.1 and FLUX.1).
+    #    With a cache policy (off by default) a step's velocity may be predicted instead of
+    #    computed, per CFG branch (StepCache, flowseam.loops.step_cache).
     solve = SolverSteps(model.platform.kernels, schedule, params, generators, model=model)
-    capture = profile is ExecutionProfile.ROLLOUT
+    cache = None if params.cache is None else StepCache(params.cache, solve.sigmas)
     records: list[BehaviorRecord] = []
     experts: list[str] = []
     steps = range(len(schedule.timesteps))
@@ -80,7 +87,14 @@ def run(model: "ModelInstance", request: GenerationRequest,
             t = schedule.timesteps[i].expand(latents.shape[0])
             expert = model.expert_at(schedule.timesteps[i])
             with component_faults(model, ("dit",), f"predicting the velocity at step {i}"):
-                velocity = model.velocity(latents, t, cond, params, expert=expert)
+                if cache is None:
+                    velocity = model.velocity(latents, t, cond, params, expert=expert)
+                else:
+                    velocity = cache.velocity(
+                        i, expert, model.num_branches(cond),
+                        lambda branches: model.branch_velocity(latents, t, cond, params, branches,
+                                                               expert=expert),
+                        lambda branches: model.guide(branches, params, expert))
             check_velocity(model, i, velocity, latents)
             # every kernel output is checked in the step: the latents' shape, dtype and device,
             # finite (else named: step, op, impl_id; or the DiT's plugin for a non-finite velocity)
@@ -88,7 +102,9 @@ def run(model: "ModelInstance", request: GenerationRequest,
             if capture:
                 records.append(BehaviorRecord(i, latents, step.next_latents, t, step.sigma,
                                               step.sigma_next, solve.sigma_max, step.log_prob,
-                                              step.impl_id, expert=expert))
+                                              step.impl_id, expert=expert,
+                                              cache=None if cache is None else str(params.cache),
+                                              predicted=cache is not None and cache.predicted[-1]))
             experts.append(expert)
             latents = step.next_latents
             if step_callback is not None:
@@ -106,7 +122,8 @@ def run(model: "ModelInstance", request: GenerationRequest,
         frames=frames, latents=latents, params=params, seeds=seeds, records=records, cond=cond,
         seconds={"encode": t_encoded - t_start, "denoise": t_denoised - t_encoded,
                  "decode": t_end - t_denoised, "total": t_end - t_start},
-        kernels=solve.impl_ids, solver=solve.describe(), experts=experts)
+        kernels=solve.impl_ids, solver=solve.describe(), experts=experts,
+        cache=None if cache is None else cache.report())
 
 
 def record_velocity(model: "ModelInstance", result: LoopResult, record: BehaviorRecord,

@@ -43,6 +43,9 @@ class BehaviorRecord:
     :ivar chunk: the chunk the step belongs to (causal loop; None elsewhere). ``latents`` and
         ``next_latents`` are then that chunk's latents ``(B, C, n, h, w)``.
     :ivar start_frame: the chunk's first latent frame (causal loop).
+    :ivar cache: the step-cache policy the rollout ran with (``"extrapolate:0.1"``), or None.
+    :ivar predicted: whether the step's velocity (any CFG branch of it) was predicted by the
+        cache rather than computed by the DiT.
     :ivar expert: the component name of the DiT expert that gave the velocity (``"transformer"``;
         ``"transformer_2"`` for the low-noise steps of a two-expert Wan2.2 model). Recompute
         with ``model.velocity(..., expert=record.expert, dit=<your copy of that expert>)``.
@@ -60,6 +63,8 @@ class BehaviorRecord:
     chunk: int | None = None
     start_frame: int = 0
     expert: str = "transformer"
+    cache: str | None = None
+    predicted: bool = False
 
 
 @dataclass
@@ -86,6 +91,9 @@ class LoopResult:
     :ivar audio: ``(B, channels, samples)`` float32 waveform in [-1, 1] for cards that make sound
         (LTX-2), else None.
     :ivar sample_rate: the waveform's samples per second (Hz), else None.
+    :ivar cache: with a step-cache policy: ``{"policy", "steps_computed", "steps_skipped",
+        "branches_computed", "branches_skipped"}`` (:mod:`flowseam.loops.step_cache`); None
+        without one.
     """
 
     frames: np.ndarray
@@ -103,3 +111,4 @@ class LoopResult:
     experts: list[str] = field(default_factory=list)
     audio: np.ndarray | None = None
     sample_rate: int | None = None
+    cache: dict[str, Any] | None = None

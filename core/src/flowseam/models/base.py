@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
+from ..components import compute_dtype
 from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents with it)
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..adapters import AdapterSet
     from ..loops import Chunk, LoopResult
     from ..platform import Platform
 
@@ -156,15 +158,22 @@ class ModelInstance:
         self.component_records: dict[str, Any] = {}
         #: components model_index.json declares that this card does not load, with the reason
         self.unused_components: dict[str, str] = {}
+        #: the checkpoint's own serving defaults (``flowseam.json``'s ``serve`` table)
+        self.serve_defaults: dict[str, Any] = {}
 
     def provenance(self, solver: bool = True) -> str:
-        """One line: where each component and the kernels came from, and (``solver=True``) the
-        solver with its schedule settings and where each came from."""
+        """One line: where each component (device/plugin, dtype) and each kernel (its
+        implementation id) came from — whatever fell back past the platform's first device is
+        marked ``(fallback)`` — and (``solver=True``) the solver with its schedule settings and
+        where each came from."""
         kinds = ("dit", "vae", "text_encoder", "image_encoder", "text_connectors", "audio_vae",
                  "vocoder", "latent_upsampler")
-        comps = ", ".join(f"{n}={r.device}/{r.plugin}{' (fallback)' if r.fallback else ''}"
+        first = self.platform.device_chain[0]
+        comps = ", ".join(f"{n}={r.device}/{r.plugin} {r.dtype or '-'}"
+                          f"{' (fallback)' if r.fallback else ''}"
                           for n, r in self.component_records.items() if r.kind in kinds)
-        kern = ", ".join(f"{op}={k.impl_id}" for op, k in self.platform.kernels.resolved().items())
+        kern = ", ".join(f"{op}={k.impl_id}{' (fallback)' if k.provenance.device != first else ''}"
+                         for op, k in self.platform.kernels.resolved().items())
         line = f"[{self.card.name}] components: {comps}; kernels: {kern}"
         if self.unused_components:
             line += "; not loaded: " + ", ".join(f"{n} ({why})"
@@ -220,6 +229,16 @@ class ModelInstance:
                                     solver.ignored, solver.file)
         clone.scheduler_config = raw
         return clone
+
+    @property
+    def adapters(self) -> "AdapterSet":
+        """The model's LoRA adapters (:class:`flowseam.adapters.AdapterSet`): read once, switched
+        per request by the loop (``DiffusionParams.lora``)."""
+        if getattr(self, "_adapters", None) is None:
+            from ..adapters import AdapterSet
+
+            self._adapters = AdapterSet(self)
+        return self._adapters
 
     @property
     def experts(self) -> dict[str, torch.nn.Module]:
@@ -298,6 +317,12 @@ class ModelInstance:
         return stream_loop(self, request, profile=ExecutionProfile.SERVE, progress=progress)
 
     @property
+    def defaults(self) -> dict[str, Any]:
+        """The values a request's unset parameters take: the checkpoint's serving defaults
+        (:attr:`serve_defaults`) over the card's (precedence: :mod:`flowseam.defaults`)."""
+        return {**self.card.defaults, **self.serve_defaults}
+
+    @property
     def dit(self) -> torch.nn.Module:
         return self.components[self.DIT]
 
@@ -309,10 +334,11 @@ class ModelInstance:
             return torch.device("cpu")
 
     def component_dtype(self, name: str) -> torch.dtype:
-        try:
-            return next(self.components[name].parameters()).dtype
-        except (StopIteration, AttributeError):
-            return torch.float32
+        """The dtype the loop hands component ``name`` its inputs in: its parameters' lowest
+        precision (``bfloat16`` for a bf16 model that keeps its norms in float32, as diffusers'
+        ``_keep_in_fp32_modules`` do; the model upcasts inside those), float32 for an object
+        without floating-point parameters."""
+        return compute_dtype(self.components[name])
 
     def bump_version(self, name: str) -> int:
         """Mark ``name``'s weights as changed; caches keyed on them miss from now on."""
@@ -355,7 +381,7 @@ class ModelInstance:
 
     # -- step bodies (card-specific) -----------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
-        """Fill the card's defaults into ``request.params`` and validate the request.
+        """Fill :attr:`defaults` into ``request.params``' unset fields and validate the request.
 
         :raises ValueError: naming the bad value and what is allowed (the card's ``rules``).
         """
@@ -405,6 +431,23 @@ class ModelInstance:
         :raises ValueError: for an expert name the model does not have.
         """
         raise NotImplementedError
+
+    def num_branches(self, cond: Conditioning) -> int:
+        """How many guidance branches :meth:`branch_velocity` has (2 for CFG; 1 by default)."""
+        return 1
+
+    def branch_velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                        params: DiffusionParams, branches: list[int],
+                        dit: torch.nn.Module | None = None,
+                        expert: str | None = None) -> list[torch.Tensor]:
+        """The unguided velocity of each of ``branches`` (one DiT call), for a step cache that
+        keeps one history per branch (:mod:`flowseam.loops.step_cache`); :meth:`guide`
+        combines them. One branch by default: the velocity itself."""
+        return [self.velocity(latents, timestep, cond, params, dit=dit, expert=expert)]
+
+    def guide(self, branches: list[torch.Tensor], params: DiffusionParams, expert: str) -> torch.Tensor:
+        """The guided velocity from every branch's velocity (the one branch by default)."""
+        return branches[0]
 
     def _expert(self, timestep: torch.Tensor, expert: str | None,
                 dit: torch.nn.Module | None) -> tuple[str, torch.nn.Module]:

@@ -47,7 +47,7 @@ class FluxT2I(ModelInstance):
 
     # -- 1. check -------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
-        params = request.params.with_defaults(self.card.defaults)
+        params = request.params.with_defaults(self.defaults)
         check_common(params, request)
         check_no_causal(params, self.card.name)
         self.check_experts(params)

@@ -150,9 +150,13 @@ class LTX2T2V(ModelInstance):
 
     # -- 1. check -----------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
-        params = request.params.with_defaults(self.card.defaults)
+        params = request.params.with_defaults(self.defaults)  # flowseam.json, then the card
         check_common(params, request)
         check_frames(params.num_frames, self.vae_temporal, "LTX-2's video VAE")
+        if params.lora or params.cache is not None:
+            given = "lora" if params.lora else f"cache={params.cache}"
+            raise ValueError(f"{given}: {self.card.name} runs the ltx2 loop, which does not apply "
+                             "LoRA sets or step caching yet (Wan and FLUX.1 cards do)")
         if params.flow_shift is not None:
             raise ValueError(f"flow_shift={params.flow_shift!r} is not taken by {self.card.name}: "
                              "its sigmas are shifted by the scheduler config's dynamic shift (mu from "

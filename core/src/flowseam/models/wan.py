@@ -59,7 +59,7 @@ class WanT2V(ModelInstance):
 
     # -- 1. check -------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
-        params = request.params.with_defaults(self.card.defaults)
+        params = request.params.with_defaults(self.defaults)
         check_common(params, request)
         self.check_loop_params(params)
         self.check_experts(params)
@@ -141,14 +141,38 @@ class WanT2V(ModelInstance):
         (``guidance_scale``, or ``guidance_scale_2`` for Wan2.2's low-noise expert).
         """
         expert, dit = self._expert(timestep, expert, dit)
+        branches = list(range(self.num_branches(cond)))
+        return self.guide(self.branch_velocity(latents, timestep, cond, params, branches, dit=dit,
+                                               expert=expert), params, expert)
+
+    def num_branches(self, cond: Conditioning) -> int:
+        """2 with CFG (unconditional, conditional), else 1."""
+        return 1 if cond.negative_embeds is None else 2
+
+    def branch_velocity(self, latents: torch.Tensor, timestep: torch.Tensor, cond: Conditioning,
+                        params: DiffusionParams, branches: list[int],
+                        dit: torch.nn.Module | None = None,
+                        expert: str | None = None) -> list[torch.Tensor]:
+        """The unguided velocities of ``branches`` (0: unconditional, 1: conditional; only 0
+        without CFG), each ``(B, 16, F', H', W')``, from one DiT call on a batch of
+        ``len(branches) * B``."""
+        expert, dit = self._expert(timestep, expert, dit)
         x, extra = self.dit_inputs(latents, cond)
         if cond.negative_embeds is None:
-            return dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
-                            return_dict=False, **extra)[0]
-        both = dit(hidden_states=torch.cat([x, x]), timestep=torch.cat([timestep, timestep]),
-                        encoder_hidden_states=torch.cat([cond.negative_embeds, cond.prompt_embeds]),
-                        return_dict=False, **{k: torch.cat([v, v]) for k, v in extra.items()})[0]
-        v_uncond, v_cond = both.chunk(2)
+            return [dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,
+                        return_dict=False, **extra)[0]]
+        text = (cond.negative_embeds, cond.prompt_embeds)
+        n = len(branches)
+        out = dit(hidden_states=torch.cat([x] * n), timestep=torch.cat([timestep] * n),
+                  encoder_hidden_states=torch.cat([text[b] for b in branches]),
+                  return_dict=False, **{k: torch.cat([v] * n) for k, v in extra.items()})[0]
+        return list(out.chunk(n))
+
+    def guide(self, branches: list[torch.Tensor], params: DiffusionParams, expert: str) -> torch.Tensor:
+        """CFG: ``v_uncond + g * (v_cond - v_uncond)`` with ``expert``'s guidance scale."""
+        if len(branches) == 1:
+            return branches[0]
+        v_uncond, v_cond = branches
         return v_uncond + self.guidance_for(expert, params) * (v_cond - v_uncond)
 
     # -- 5. decode ------------------------------------------------------------------------------

@@ -126,8 +126,10 @@ class WanCausalT2V(WanT2V):
 
         :raises ValueError: naming the bad value and what is allowed.
         """
+        # the checkpoint's serving defaults (flowseam.json) come before its causal config
+        defaults = {**self.card_defaults, **self.serve_defaults}
         request = GenerationRequest(request.prompt, request.task,
-                                    request.params.with_defaults(self.card_defaults),
+                                    request.params.with_defaults(defaults),
                                     request.image, request.seeds)
         params = super().check(request)
         chunk = params.chunk_frames
@@ -165,7 +167,12 @@ class WanCausalT2V(WanT2V):
         return params
 
     def check_loop_params(self, params: DiffusionParams) -> None:
-        """The causal parameters are this card's own (checked in :meth:`check`)."""
+        """The causal parameters are this card's own (checked in :meth:`check`); a step cache
+        is refused (it runs in the flow_match loop)."""
+        if params.cache is not None:
+            raise ValueError(f"cache={params.cache}: step caching runs in the flow_match loop "
+                             "(Wan T2V/I2V, FLUX.1); the causal loop's few-step sampler is not "
+                             "cached")
 
     def window(self, params: DiffusionParams) -> Window:
         return Window(params.local_attn_size, params.sink_size)

@@ -34,6 +34,7 @@ the next step boundary and frees everything.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import math
@@ -59,11 +60,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("flowseam.serve")
 
-#: what the engine adds to a request's parameters that a DiffusionParams may not have yet
-_NOT_IMPLEMENTED = {
-    "lora": "per-request LoRA adapters",
-    "cache": "adaptive step caching",
-}
 
 
 class ServeError(Exception):
@@ -136,12 +132,24 @@ class JobRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def params(self, seed: int) -> DiffusionParams:
-        """The :class:`DiffusionParams` ``flowseam generate`` builds from the same values."""
+        """The :class:`DiffusionParams` ``flowseam generate`` builds from the same values.
+
+        :raises BadRequest: for a ``lora`` or ``cache`` value that does not parse.
+        """
+        from ..adapters import normalize_lora
+        from ..loops.step_cache import normalize_cache
+
+        extra = {}
+        for name, normalize in (("lora", normalize_lora), ("cache", normalize_cache)):
+            try:
+                extra[name] = normalize(self.extra.get(name))
+            except ValueError as exc:
+                raise BadRequest(str(exc), param=name) from None
         return DiffusionParams(num_steps=self.steps, guidance_scale=self.guidance_scale,
                                seed=seed, height=self.height, width=self.width,
                                num_frames=self.frames, negative_prompt=self.negative_prompt,
                                flow_shift=self.flow_shift,
-                               max_sequence_length=self.max_sequence_length)
+                               max_sequence_length=self.max_sequence_length, **extra)
 
 
 @dataclass
@@ -485,16 +493,17 @@ class Engine:
         """
         if self._stopping.is_set():
             raise Unavailable("the server is shutting down")
-        for name, what in _NOT_IMPLEMENTED.items():
-            if req.extra.get(name) is not None and name not in DiffusionParams.__dataclass_fields__:
-                raise BadRequest(f"{name}: {what} are not implemented in flowseam yet; leave "
-                                 f"{name} out of the request", param=name, code="not_implemented")
         seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
         try:  # DiffusionParams refuses non-finite and out-of-range values (naming the field)
             params = req.params(seed)
         except ValueError as exc:
             raise BadRequest(str(exc), param=_api_field(str(exc))) from None
         target = self._target(req)
+        if params.lora:
+            if self.workflow is not None and target == self.workflow[0]:
+                raise BadRequest("lora: a workflow job runs two models; send LoRA requests to "
+                                 "one model", param="lora")
+            params = params.replace(lora=_loaded_loras(self.models[target], params.lora))
         job = Job(id=new_job_id(req.kind), kind=req.kind, model=target, prompt=req.prompt,
                   status="queued", params={})
         if self.workflow is not None and target == self.workflow[0]:
@@ -602,7 +611,10 @@ class Engine:
                 else f"{frames / req.fps:g}", "steps": filled.num_steps, "seed": seed, "n": req.n,
                 "guidance_scale": filled.guidance_scale, "flow_shift": filled.flow_shift,
                 "negative_prompt": filled.negative_prompt,
-                "image_to_video": req.image is not None}
+                "image_to_video": req.image is not None,
+                "lora": [{"name": Path(s.path).name, "weight": s.weight, "expert": s.expert}
+                         for s in filled.lora],
+                "cache": None if filled.cache is None else str(filled.cache)}
 
     # -- reading ---------------------------------------------------------------------------
     def ids(self) -> list[str]:
@@ -763,6 +775,25 @@ def _api_field(message: str) -> str | None:
     if name is None:
         return None
     return _API_FIELDS.get(name, name)
+
+
+def _loaded_loras(model: "ModelInstance", specs: tuple) -> tuple:
+    """A request's LoRA set with each file resolved to one the server loaded at start
+    (``flowseam serve --lora``), named by its path or its file name; the server never reads a
+    path a client sends.
+
+    :raises BadRequest: for a file the model has not loaded.
+    """
+    loaded = [Path(a.path) for a in model.adapters.loaded.values()]
+    out = []
+    for spec in specs:
+        match = [p for p in loaded if spec.path in (str(p), p.name)]
+        if not match:
+            raise BadRequest(f"lora {spec.path!r} is not loaded for {model.card.name} on this "
+                             f"server; loaded: {[p.name for p in loaded] or 'none'} (start "
+                             "flowseam serve with --lora PATH)", param="lora")
+        out.append(dataclasses.replace(spec, path=str(match[0])))
+    return tuple(out)
 
 
 def _batch_key(model: str, request: GenerationRequest) -> tuple | None:

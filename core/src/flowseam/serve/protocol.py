@@ -51,9 +51,10 @@ class Extras(BaseModel):
     negative_prompt: str | None = Field(None, max_length=10_000)
     flow_shift: float | None = Field(None, gt=0, le=100)
     max_sequence_length: int | None = Field(None, ge=1, le=512, description="text tokens kept")
-    #: accepted so that a request naming them gets a clear "not implemented yet" (400), never a
-    #: silent no-op: per-request LoRA adapters and step caching are not in flowseam yet
+    #: the request's LoRA set: ``"NAME[:WEIGHT][@EXPERT]"``, ``{"path", "weight", "expert"}`` or a
+    #: list of those, naming files the server loaded at start (``flowseam serve --lora``)
     lora: Any = None
+    #: the step-cache policy: ``"NAME:THRESHOLD"`` or ``{"name", "threshold", ...}``
     cache: Any = None
     user: str | None = Field(None, max_length=256,
                              description="the OpenAI field; accepted, recorded nowhere")

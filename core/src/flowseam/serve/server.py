@@ -35,6 +35,8 @@ class ServeOptions:
     max_upload_mb: float = 16.0
     log_level: str = "info"
     threads: int | None = None
+    #: LoRA files loaded at start; requests may name only these (``lora`` field)
+    loras: list[str] = field(default_factory=list)
 
 
 def model_id(path: str) -> str:
@@ -153,6 +155,25 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def preload_loras(models: dict, paths: list[str]) -> None:
+    """Load each ``--lora`` file into every served model whose DiT it matches (requests may
+    name only loaded files: the server never reads a path a client sends).
+
+    :raises FlowseamError: for a file that matches none of the models (each one's reason).
+    """
+    from ..errors import FlowseamError
+
+    for path in paths:
+        reasons = []
+        for name, model in models.items():
+            try:
+                model.adapters.load(path)
+            except FlowseamError as exc:
+                reasons.append(f"{name}: {exc}")
+        if len(reasons) == len(models):
+            raise FlowseamError(f"--lora {path} fits none of the served models: " + "; ".join(reasons))
+
+
 def run(opts: ServeOptions) -> int:
     """Serve until interrupted (SIGINT/SIGTERM stop the workers at the next step boundary)."""
     import uvicorn
@@ -181,6 +202,7 @@ def run(opts: ServeOptions) -> int:
         for i, (name, path) in enumerate(zip(ids, opts.models)):
             backend = backends[min(i, len(backends) - 1)]
             models[name] = load(path, platform=Platform(backend) if backend else Platform.detect())
+        preload_loras(models, opts.loras)
         workflow = None
         if opts.workflow is not None:
             t2i, i2v = workflow_stages(models)

@@ -6,8 +6,9 @@ with the pipeline's own ``save_pretrained`` (so ``model_index.json`` and every
 ``config.json`` are written by diffusers/transformers themselves). The directory loads back
 with ``diffusers.DiffusionPipeline.from_pretrained(path)`` with ``HF_HUB_OFFLINE=1``.
 
-This module imports only torch, diffusers, transformers and the standard library; nothing
-from flowseam, so it can build fixtures for any layer of the project.
+This module imports only torch, diffusers, transformers, the standard library and, of flowseam,
+the leaf :mod:`flowseam.console` (to keep the libraries quiet), so it can build fixtures for any
+layer of the project.
 """
 
 import json
@@ -17,6 +18,8 @@ import pathlib
 import diffusers
 import torch
 import transformers
+
+from flowseam.console import library_output
 
 __all__ = ["ALL_CARDS", "CARDS", "SCHEDULER_CLASSES", "clip_tokenizer", "t5_tokenizer",
            "write_tiny_checkpoint", "write_tiny_lm"]
@@ -60,7 +63,8 @@ _OVERRIDABLE = {
 
 def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: int = 0,
                           scheduler_class: str = "FlowMatchEulerDiscreteScheduler",
-                          boundary_ratio: float = 0.875, **overrides) -> pathlib.Path:
+                          boundary_ratio: float = 0.875, verbose: bool = False,
+                          **overrides) -> pathlib.Path:
     """Write a tiny random diffusers pipeline for ``card`` into the directory ``path``.
 
     The models are initialised on CPU in float32, in a fixed order, inside
@@ -161,6 +165,8 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
             checkpoints ship: ``prediction_type="flow_prediction"``, ``use_flow_sigmas=True``,
             ``flow_shift=3.0``); ``scheduler=`` overrides are merged into its kwargs.
         boundary_ratio: the Wan2.2 cards' expert boundary (ignored by the other cards).
+        verbose: let diffusers and transformers print their progress bars and notices while
+            saving (off by default: :func:`flowseam.console.library_output`).
         **overrides: per-component config overrides, each a mapping merged into that
             component's constructor kwargs, e.g. ``transformer={"num_layers": 3}``,
             ``scheduler={"shift": 5.0}``, ``vae={"z_dim": 4}``. Accepted names:
@@ -206,24 +212,25 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
 
     # CPU-only equivalent of torch.manual_seed(seed): the models are built on CPU, and CUDA
     # generators are left alone; fork_rng restores the caller's CPU RNG state afterwards.
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-        torch.random.default_generator.manual_seed(seed)
-        unipc = scheduler_class == "UniPCMultistepScheduler"
-        built = _BUILDERS[card]({k: dict(v) for k, v in overrides.items()
-                                 if not (unipc and k == "scheduler")})
-        pipe, extras = built if isinstance(built, tuple) else (built, {})
-        pipe.scheduler = _scheduler(scheduler_class, pipe.scheduler, overrides.get("scheduler", {}))
-        if card.startswith("wan2.2"):
-            pipe.register_to_config(boundary_ratio=float(boundary_ratio))
-
-    out.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(out, safe_serialization=True)
+    with library_output(verbose):
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.random.default_generator.manual_seed(seed)
+            unipc = scheduler_class == "UniPCMultistepScheduler"
+            built = _BUILDERS[card]({k: dict(v) for k, v in overrides.items()
+                                     if not (unipc and k == "scheduler")})
+            pipe, extras = built if isinstance(built, tuple) else (built, {})
+            pipe.scheduler = _scheduler(scheduler_class, pipe.scheduler,
+                                        overrides.get("scheduler", {}))
+            if card.startswith("wan2.2"):
+                pipe.register_to_config(boundary_ratio=float(boundary_ratio))
+        out.mkdir(parents=True, exist_ok=True)
+        pipe.save_pretrained(out, safe_serialization=True)
+        for subfolder, model in extras.items():  # models a pipeline does not hold (LTX-2's upsampler)
+            model.save_pretrained(out / subfolder, safe_serialization=True)
     if card == "wan2.1-causal-t2v":
         index = json.loads((out / "model_index.json").read_text())
         index["_flowseam_causal"] = dict(overrides.get("causal", {}))
         (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    for subfolder, model in extras.items():  # models a pipeline does not hold (LTX-2's upsampler)
-        model.save_pretrained(out / subfolder, safe_serialization=True)
     meta = {"generator": "flowseam.testing.tiny", "card": card, "seed": seed,
             "scheduler_class": scheduler_class, "overrides": overrides}
     if card.startswith("wan2.2"):

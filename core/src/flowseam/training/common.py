@@ -112,8 +112,11 @@ def _add_lora(module: torch.nn.Module, lora: dict[str, Any]) -> None:
 
 @dataclass
 class RunFiles:
-    """Where a run writes: ``metrics.jsonl``, ``checkpoints/`` and ``run.json`` under
-    ``output_dir``, which one run at a time holds (:mod:`.rundir`).
+    """Where a run writes, under ``output_dir``: ``metrics.jsonl``, ``checkpoints/`` (every
+    ``checkpoint_every`` steps and always at the last step), ``run.json`` and the trained model
+    (:mod:`flowseam.training.export`: ``model/``, and for LoRA runs
+    ``pytorch_lora_weights.safetensors``; under ``<stage>/`` for each stage of a multi-model
+    method). One run at a time holds ``output_dir`` (:mod:`.rundir`).
 
     Constructed before any model loads: it refuses now an ``output_dir`` that another run holds,
     or that was started with another config (differing keys listed; only ``steps`` may change).
@@ -122,6 +125,8 @@ class RunFiles:
         checkpoint it resumes from (under FSDP2 each rank then keeps its shard of it).
     :param method: the training method's name, and ``config`` its validated config (recorded in
         ``run.json``; a resume must match it).
+    :ivar resumed_from: the checkpoint the run resumed from, if any.
+    :ivar exported: stage name → ``{"model": dir, "lora": file}`` once the run has exported.
     """
 
     output_dir: Path | None
@@ -132,6 +137,8 @@ class RunFiles:
     method: str = ""
     config: dict[str, Any] | None = None
     lock: RunLock | None = None
+    resumed_from: Path | None = None
+    exported: dict[str, dict[str, Path]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.output_dir is None or not self.dp.is_main:
@@ -175,6 +182,7 @@ class RunFiles:
         modules, optimizers = self.dp.checkpoint_views(stages, gather=False)
         state = load_checkpoint(path, modules, optimizers)
         self.dp.restore(stages, modules, optimizers)
+        self.resumed_from = path
         for s in stages:
             # the rollout copy (and every receiver of the plan) gets the restored weights under
             # the version they had
@@ -183,12 +191,23 @@ class RunFiles:
             s.model.versions[s.sync.component] = state["weights_versions"][s.name]
         return state
 
-    def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any]) -> Path | None:
-        """Write checkpoint ``step`` if it is due; never with non-finite weights.
+    def maybe_checkpoint(self, step: int, stages: list[Stage], extra: dict[str, Any],
+                         final: bool = False) -> Path | None:
+        """Save checkpoint ``step`` if it is due (every ``checkpoint_every`` steps), or, with
+        ``final``, unless this run already saved it or resumed from it; never with non-finite
+        weights. Every rank calls it (and every rank decides alike: under FSDP2 the weights are
+        gathered from all of them); rank 0 writes.
 
         :raises NonFiniteTrainingError: if a trainable weight is NaN or infinite (nothing written).
         """
-        if not self.checkpoint_every or self.checkpoint_dir is None or step % self.checkpoint_every:
+        if self.checkpoint_dir is None:
+            return None
+        due = bool(self.checkpoint_every) and step % self.checkpoint_every == 0
+        if final:
+            if due or (self.resumed_from is not None
+                       and self.resumed_from.name == f"step-{step:06d}"):
+                return None
+        elif not due:
             return None
         modules, optimizers = self.dp.checkpoint_views(stages, gather=True)  # every rank
         if not self.dp.is_main:
@@ -199,6 +218,39 @@ class RunFiles:
             {"sync_versions": {s.name: s.sync.version for s in stages},
              "weights_versions": {s.name: s.model.versions[s.sync.component] for s in stages},
              **extra})
+
+    def export(self, method: str, step: int, stages: list[Stage]) -> None:
+        """Write each trained diffusion model (and LoRA file) under its root (see the class
+        docstring): one ``model/`` per model instance, with every component its stages trained
+        (both experts of a Wan2.2 model in ``joint_multi_rl``); the root is ``output_dir`` when
+        the run trains one model, else ``output_dir/<stage>``. A stage that trains something
+        else (the LM of ``unified_rl``) is saved by its method. Every rank must call it: a
+        sharded policy is gathered first.
+        """
+        from .distributed import full_state
+        from .export import MODEL_DIR, export_lora, export_model, exportable_stages, has_lora
+
+        groups: dict[int, list[Stage]] = {}
+        for s in exportable_stages(stages):
+            groups.setdefault(id(s.model), []).append(s)
+        for group in groups.values():
+            # an all-gather under FSDP2, so on every rank
+            states = {s.sync.component: full_state(s.policy) for s in group}
+            if self.output_dir is None or not self.dp.is_main:
+                continue
+            model = group[0].model
+            root = self.output_dir if len(groups) == 1 else self.output_dir / group[0].name
+            trained = {"method": method, "step": step,
+                       "stage": ", ".join(s.name for s in group)}
+            path = export_model(model, states, root / MODEL_DIR, trained)
+            for s in group:
+                self.exported[s.name] = {"model": path}
+                if has_lora(s.policy) and s.sync.component == model.DIT:  # see export_lora
+                    self.exported[s.name]["lora"] = export_lora(model, states[model.DIT], root)
+
+    def exported_paths(self) -> dict[str, dict[str, str]]:
+        """:attr:`exported` with the paths as strings (what a method's summary returns)."""
+        return {stage: {k: str(v) for k, v in paths.items()} for stage, paths in self.exported.items()}
 
     def write(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
@@ -232,9 +284,23 @@ class Timer:
 
 
 def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> list[dict[str, Any]]:
-    """The outer loop every method shares: resume from ``method.files``' latest checkpoint, then
-    call ``method.train_step()`` until ``method.config["steps"]``, with a progress bar showing
-    ``postfix`` from each record when ``method.progress`` is set."""
+    """The outer loop every method shares: take the ``output_dir``'s lock, resume from
+    ``method.files``' latest checkpoint (and say so), then call ``method.train_step()`` until
+    ``method.config["steps"]`` (stopping at non-finite weights), with a progress bar showing
+    ``postfix`` from each record when ``method.progress`` is set; then, with an ``output_dir``,
+    save the final checkpoint and export every stage as a model (:meth:`RunFiles.export`) and
+    release the lock.
+
+    :raises FlowseamError: before the first step, if the run has an ``output_dir`` but a stage's
+        model cannot be exported (it was not loaded from a checkpoint directory).
+    :raises NonFiniteTrainingError: after a step that left a trainable weight NaN or infinite
+        (before any checkpoint or export holds it).
+    """
+    from .export import check_exportable, exportable_stages
+
+    if method.files.output_dir is not None:
+        for s in exportable_stages(stages):
+            check_exportable(s.model)
     dp = getattr(method, "dp", None) or DataParallel.single()
     records: list[dict[str, Any]] = []
     bar = None
@@ -244,6 +310,9 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
         if state is not None:
             method.step = state["step"]
             method.skipped_groups = state.get("skipped_groups", 0)
+            if method.progress and dp.is_main:
+                print(f"{desc}: resuming from {method.files.resumed_from.name} in "
+                      f"{method.files.output_dir} (step {method.step} of {method.config['steps']})")
         method.files.open(method.step)
         if method.progress and dp.is_main:
             from tqdm.auto import tqdm
@@ -254,11 +323,18 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix({postfix: f"{records[-1][postfix]:.4f}"})
+        if bar is not None:
+            bar.close()
+            bar = None
+        check_replicas(dp, stages)
+        if method.files.output_dir is not None:  # still under the lock
+            extra = {"skipped_groups": method.skipped_groups} if hasattr(method, "skipped_groups") else {}
+            method.files.maybe_checkpoint(method.step, stages, extra, final=True)
+            method.files.export(getattr(method, "name", desc), method.step, stages)
     finally:
         if bar is not None:
             bar.close()
         method.files.close()
-    check_replicas(dp, stages)
     return records
 
 
@@ -275,41 +351,6 @@ def check_replicas(dp: DataParallel, stages: list[Stage]) -> None:
     if bad:
         raise FlowseamError(f"data-parallel replicas diverged: rank(s) {bad} hold different weights "
                             "from rank 0 after training")
-
-
-def save_model(model: ModelInstance, path: str | Path, modules: dict[str, torch.nn.Module]) -> Path:
-    """Write ``model``'s checkpoint directory with ``modules`` (component name → trained
-    module, e.g. every DiT expert) in place of those components, as a diffusers-format
-    checkpoint that ``flowseam.load`` and diffusers' pipelines read: copied to a temporary
-    sibling, then renamed into place (no half-written output). A module with peft LoRA adapters
-    is written with them fused into its weights (diffusers' ``fuse_lora`` then ``unload_lora``,
-    on a copy), so loading needs no peft.
-
-    :raises FlowseamError: for a model that was not loaded from a checkpoint directory.
-    """
-    import shutil
-
-    if model.path is None:
-        raise FlowseamError("cannot save: the model was not loaded from a checkpoint directory")
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        shutil.copytree(model.path, tmp)
-        for name, module in modules.items():
-            if getattr(module, "peft_config", None):
-                module = copy.deepcopy(module)
-                module.fuse_lora()
-                module.unload_lora()
-            shutil.rmtree(tmp / name)
-            module.save_pretrained(tmp / name)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
 
 
 def reward_summary(rewards: torch.Tensor) -> dict[str, float]:

@@ -186,6 +186,12 @@ def validate_config(schema: type[ConfigSection], config: Mapping[str, Any] | Non
         raise FlowseamError(describe_errors(schema, exc)) from None
 
 
+def schema_defaults(schema: type[ConfigSection]) -> dict[str, Any]:
+    """Every key of ``schema`` with its default, sections as dicts (None: required, or chosen at
+    run time): what a method's ``default_config()`` returns for ``--show-config``."""
+    return schema.model_construct().model_dump()
+
+
 def _section_fields(schema: type[pydantic.BaseModel], path: tuple) -> list[str]:
     model: Any = schema
     for part in path:
@@ -223,3 +229,31 @@ def describe_errors(schema: type[ConfigSection], exc: pydantic.ValidationError) 
         lines.insert(0, f"config {where}has unknown key(s) {sorted(keys)}; allowed: "
                         f"{_section_fields(schema, sec)}")
     return "; ".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }" \
+            if value else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # numbers and strings (a JSON string is a TOML basic string)
+
+
+def as_toml(config: dict[str, Any], tables: tuple[str, ...] = (), comment: str = "") -> str:
+    """A config as TOML text: top-level keys, then one ``[table]`` per name in ``tables``. A key
+    whose value is None (no default: required, or chosen at run time) is written commented out.
+    ``comment`` opens the text as ``#`` lines."""
+    lines = [f"# {line}".rstrip() for line in comment.splitlines()] if comment else []
+
+    def entry(key: str, value: Any) -> str:
+        return f"# {key} =" if value is None else f"{key} = {_toml_value(value)}"
+
+    lines += [entry(k, v) for k, v in config.items() if k not in tables]
+    for name in tables:
+        lines += ["", f"[{name}]"] + [entry(k, v) for k, v in (config.get(name) or {}).items()]
+    return "\n".join(lines) + "\n"

@@ -19,8 +19,10 @@ Config::
     steps = 100
     batch_size = 4
     seed = 0
-    output_dir = "runs/ft"        # metrics.jsonl, checkpoints/, and model/ (the trained checkpoint)
-    checkpoint_every = 0
+    output_dir = "runs/ft"        # metrics.jsonl, checkpoints/ (the last step's always), model/
+                                  # (the trained checkpoint, diffusers format) and, with [lora],
+                                  # pytorch_lora_weights.safetensors
+    checkpoint_every = 0          # 0: only the final checkpoint
     [sampling] height, width, num_frames, guidance_scale (the guidance value Flux's embedding sees),
                max_sequence_length (text tokens; sample with the same value)
     [train]    p_uncond = 0.1, sigma_sampling = "logit_normal" | "uniform", max_grad_norm = 1.0,
@@ -50,7 +52,7 @@ from ..loading import load
 from ..models.base import Conditioning, ModelInstance
 from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
-from .common import RunFiles, Stage, Timer, derive_seed, run_training, save_model
+from .common import RunFiles, Stage, Timer, derive_seed, run_training
 from .config import (
     ConfigSection,
     LoraSection,
@@ -62,9 +64,11 @@ from .config import (
     PositiveInt,
     RunConfig,
     UnitFloat,
+    schema_defaults,
     validate_config,
 )
-from .distributed import DataParallel, DistributedSection, data_parallel
+from .distributed import DataParallel, DistributedSection, data_parallel, full_state
+from .export import export_model
 from .guards import clip_gradients
 
 
@@ -182,6 +186,14 @@ class Finetune:
     """
 
     name = "finetune"
+    #: the config's tables (``flowseam train --method finetune --show-config``)
+    CONFIG_TABLES = ("sampling", "train", "optim", "lora", "distributed")
+
+    @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        """Every config key with its default, tables as dicts (None: required or chosen at run
+        time)."""
+        return schema_defaults(FinetuneConfig)
 
     def __init__(self, config: dict[str, Any], model: ModelInstance | None = None,
                  dataset: Sequence[tuple[str, np.ndarray]] | None = None) -> None:
@@ -380,17 +392,21 @@ class Finetune:
         return record
 
     def run(self, progress: bool = True) -> dict[str, Any]:
-        """Train for ``steps`` steps; with an ``output_dir``, save the trained checkpoint to
-        ``output_dir/model`` (diffusers format, atomically)."""
+        """Train for ``steps`` steps; with an ``output_dir``, the run ends with its final
+        checkpoint and the trained model in ``output_dir/model`` (diffusers format, atomically;
+        :mod:`flowseam.training.export`)."""
         self.progress = progress and self.dp.is_main
         self.prepare()
         records = run_training(self, [self.stage], "finetune", "loss")
-        saved = (self.save(self.files.output_dir / "model")
-                 if self.files.output_dir and self.dp.is_main else None)
-        return {"steps": self.step, "records": records, "model": str(saved) if saved else None}
+        exported = self.files.exported_paths()
+        return {"steps": self.step, "records": records, "exported": exported,
+                "model": exported.get(self.stage.name, {}).get("model")}
 
     def save(self, path: str | Path) -> Path:
-        """Write the model with the trained DiT as a diffusers-format checkpoint (atomically)."""
-        # the rollout copy holds the policy's weights after every step's sync, whole even when
-        # the policy itself is FSDP-sharded
-        return save_model(self.model, path, {self.model.DIT: self.model.dit})
+        """Write the model with the trained DiT (LoRA merged) as a diffusers-format checkpoint
+        at ``path`` (atomically). Under FSDP2 every rank must call it (the policy is gathered).
+
+        :raises FlowseamError: if the model was not loaded from a checkpoint directory.
+        """
+        return export_model(self.model, {self.model.DIT: full_state(self.stage.policy)}, path,
+                            {"method": self.name, "step": self.step, "stage": self.stage.name})

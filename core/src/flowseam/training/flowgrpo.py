@@ -17,8 +17,12 @@ Config (TOML/YAML or dict)::
     prompts_per_step = 1
     steps = 20
     seed = 0
-    output_dir = "runs/grpo"           # metrics.jsonl and checkpoints/ (optional)
-    checkpoint_every = 10              # 0: never
+    output_dir = "runs/grpo"           # metrics.jsonl, checkpoints/ (the last step's always),
+                                       # model/ (the trained checkpoint, diffusers format: what
+                                       # flowseam generate --model takes) and, with [lora],
+                                       # pytorch_lora_weights.safetensors (optional: without
+                                       # it the run trains in memory only)
+    checkpoint_every = 10              # 0: only the final checkpoint
     [distributed] fsdp = false         # with --nproc N / torchrun: shard the trainer (FSDP2)
                                        # instead of replicating it (DDP); see below
     [ray]       rollout_workers = 0    # > 0: roll out on a Ray fleet (see below)
@@ -55,6 +59,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
+import numpy as np
 import torch
 
 from ..errors import FlowseamError
@@ -76,6 +81,7 @@ from .config import (
     PositiveInt,
     StepWindow,
     UnitFloat,
+    schema_defaults,
     tuple_to_list,
     validate_config,
 )
@@ -155,6 +161,20 @@ def check_sampling(sampling: dict[str, Any], where: str = "sampling") -> dict[st
     return sampling
 
 
+def check_sampling_against(model: ModelInstance, sampling: dict[str, Any], table: str) -> None:
+    """Validate a ``[sampling]`` table with the model's own checks, before any step runs (so a
+    bad size fails before the progress bar, not at the first rollout).
+
+    :raises FlowseamError: naming the table and the bad value.
+    """
+    params = sampling_params(sampling)
+    image = np.zeros((16, 16, 3), np.float32) if TaskType.I2V in model.card.tasks else None
+    try:
+        model.check(GenerationRequest("a prompt", model.card.task, params, image=image))
+    except ValueError as exc:
+        raise FlowseamError(f"config [{table}]: {exc}") from exc
+
+
 class FlowGRPO:
     """Flow-GRPO on one model. ``FlowGRPO(config).run()``; see the module docstring.
 
@@ -166,6 +186,14 @@ class FlowGRPO:
     """
 
     name = "flowgrpo"
+    #: the config's tables (``flowseam train --method flowgrpo --show-config``)
+    CONFIG_TABLES = ("sampling", "grpo", "optim", "lora", "distributed", "ray")
+
+    @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        """Every config key with its default, tables as dicts (None: required or chosen at run
+        time)."""
+        return schema_defaults(FlowGRPOConfig)
 
     def __init__(self, config: dict[str, Any], model: ModelInstance | None = None, reward=None) -> None:
         # everything that can be checked is checked before a model loads
@@ -193,6 +221,7 @@ class FlowGRPO:
         if TaskType.I2V in model.card.tasks:
             raise FlowseamError(f"flowgrpo trains text-conditioned models; {model.card.name} needs an "
                                 "image per prompt (use the workflow_rl method for image-to-video)")
+        check_sampling_against(model, self.sampling, "sampling")
         self.model = model
         self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.stage = Stage.create("dit", model, optim, lora, with_reference=self.grpo.beta > 0,
@@ -289,10 +318,16 @@ class FlowGRPO:
 
     # -- the run ----------------------------------------------------------------------------
     def run(self, progress: bool = True) -> dict[str, Any]:
-        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
+        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint); with an
+        ``output_dir`` the run ends with its final checkpoint and the trained model (``model/``,
+        diffusers format; ``pytorch_lora_weights.safetensors`` for a LoRA run).
+
+        :returns: ``{"steps", "records", "weights_version", "exported": {stage: {"model", "lora"}}}``
+        """
         self.progress = progress
         records = run_training(self, [self.stage], "flowgrpo", "reward_mean")
-        return {"steps": self.step, "records": records, "weights_version": self.stage.sync.version}
+        return {"steps": self.step, "records": records, "weights_version": self.stage.sync.version,
+                "exported": self.files.exported_paths()}
 
     def close(self) -> None:
         """Shut the rollout fleet down (if any)."""

@@ -71,7 +71,7 @@ from ..request import TaskType
 from . import get_reward
 from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed,
                      require_group_size, reward_summary, run_training,
-                     save_model, sync_updated)
+                     sync_updated)
 from .config import check_top, section
 from .distributed import DataParallel
 from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling
@@ -82,8 +82,6 @@ TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness",
                     group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
                     checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={}, experts={})
 JOINT_SAMPLING_DEFAULTS = dict(SAMPLING_DEFAULTS, guidance_scale_2=None)
-#: where a run's trained model is saved, under ``output_dir``
-MODEL_DIR = "model"
 #: the keys of one ``[experts.<name>]`` table
 EXPERT_DEFAULTS = dict(OPTIM_DEFAULTS, freeze=False, lora={})
 
@@ -271,16 +269,22 @@ class JointMultiRL(FlowGRPO):
     # -- the run ----------------------------------------------------------------------------
     def run(self, progress: bool = True) -> dict[str, Any]:
         """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint); with an
-        ``output_dir``, save the trained model to ``<output_dir>/model``: a diffusers-format
-        checkpoint with every expert as the rollout instance holds it (LoRA fused), which
-        ``flowseam.load`` and diffusers' ``WanPipeline`` read."""
+        ``output_dir`` the run ends with its final checkpoint and the trained model in
+        ``<output_dir>/model``: a diffusers-format checkpoint with every trained expert in place
+        (LoRA fused; a frozen one as loaded), which ``flowseam.load`` and diffusers'
+        ``WanPipeline`` read; a LoRA on ``transformer`` also as
+        ``pytorch_lora_weights.safetensors`` (:mod:`flowseam.training.export`).
+
+        :returns: ``{"steps", "records", "model", "weights_versions", "exported": {expert:
+            {"model", "lora"}}}``
+        """
         self.progress = progress
         records = run_training(self, self.stages, "joint_multi_rl", "reward_mean")
-        saved = None
-        if self.files.output_dir is not None:
-            saved = save_model(self.model, self.files.output_dir / MODEL_DIR, self.model.experts)
-        return {"steps": self.step, "records": records, "model": str(saved) if saved else None,
-                "weights_versions": {s.name: s.sync.version for s in self.stages}}
+        exported = self.files.exported_paths()
+        return {"steps": self.step, "records": records,
+                "model": next((e["model"] for e in exported.values()), None),
+                "weights_versions": {s.name: s.sync.version for s in self.stages},
+                "exported": exported}
 
     def close(self) -> None:
         """Nothing to shut down (no rollout fleet)."""

@@ -91,6 +91,7 @@ from .config import (
     PositiveInt,
     RunConfig,
     merge_overrides,
+    schema_defaults,
     validate_config,
 )
 from .flowgrpo import SamplingSection, check_sampling, require_prompts, sampling_params
@@ -191,6 +192,17 @@ class UnifiedRL:
     """
 
     name = "unified_rl"
+    #: the config's tables (``flowseam train --method unified_rl --show-config``)
+    CONFIG_TABLES = ("sampling", "grpo", "optim", "lora", "lm_sampling", "lm_grpo", "lm_optim")
+
+    @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        """Every config key with its default, tables as dicts, for the one-model generator
+        (``model``); the workflow takes ``t2i_model``/``i2v_model`` and the per-stage tables
+        instead. ``[lm_sampling]`` is empty: its defaults are the LM directory's."""
+        # the workflow's per-stage tables take the same keys as [sampling] and [optim]
+        return {**schema_defaults(UnifiedRLConfig), "t2i_sampling": {}, "i2v_sampling": {},
+                "t2i_optim": {}, "i2v_optim": {}}
 
     def __init__(self, config: dict[str, Any], refiner: PromptRefiner | None = None,
                  model: ModelInstance | None = None, t2i: ModelInstance | None = None,
@@ -382,14 +394,22 @@ class UnifiedRL:
         """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint); with an
         ``output_dir``, save the trained LM (and tokenizer, template, sampling) to
         ``<output_dir>/lm``: ``PromptRefiner.load`` and ``AutoModelForCausalLM.from_pretrained``
-        read it."""
+        read it. Like every method, the run also ends with a checkpoint at its last step and
+        the trained generator exported as a model (``<output_dir>/model/``; for the workflow
+        ``<output_dir>/t2i/model/`` and ``<output_dir>/i2v/model/``:
+        :mod:`flowseam.training.export`).
+
+        :returns: ``{"steps", "records", "lm", "weights_versions", "exported": {stage:
+            {"model", "lora"}}}``
+        """
         self.progress = progress
         records = run_training(self, self.stages, "unified_rl", "reward_mean")
         saved = None
         if self.files.output_dir is not None:
             saved = self.refiner.save(self.files.output_dir / LM_DIR)
         return {"steps": self.step, "records": records, "lm": str(saved) if saved else None,
-                "weights_versions": {s.name: s.sync.version for s in self.stages}}
+                "weights_versions": {s.name: s.sync.version for s in self.stages},
+                "exported": self.files.exported_paths()}
 
     def evaluate(self, seeds: list[int], prompts: list[str] | None = None,
                  refine: bool = True) -> torch.Tensor:

@@ -18,7 +18,8 @@ Config::
     t2i_backend = "cpu"; i2v_backend = "cpu"   # optional
     prompts = [...]; reward = "brightness"; reward_args = {}
     group_size = 4; prompts_per_step = 1; steps = 10; seed = 0
-    output_dir = "runs/wf"; checkpoint_every = 0
+    output_dir = "runs/wf"; checkpoint_every = 0   # as flowgrpo's; each stage's model (and
+                                                   # LoRA file) under t2i/ and i2v/
     [t2i_sampling] / [i2v_sampling]  num_steps, height, width, num_frames, guidance_scale,
                                      noise_level, sde_window (as flowgrpo's [sampling])
     [grpo] [optim] [lora]            as for flowgrpo (shared by both stages)
@@ -53,9 +54,24 @@ from ..platform import Platform
 from ..request import GenerationRequest, TaskType
 from . import get_reward
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
-from .config import LoraSection, Name, OptimOverrides, OptimSection, merge_overrides, validate_config
+from .config import (
+    LoraSection,
+    Name,
+    OptimOverrides,
+    OptimSection,
+    merge_overrides,
+    schema_defaults,
+    validate_config,
+)
 from .distributed import DataParallel, DistributedSection, data_parallel
-from .flowgrpo import FlowGRPO, SamplingSection, check_sampling, require_prompts, sampling_params
+from .flowgrpo import (
+    FlowGRPO,
+    SamplingSection,
+    check_sampling,
+    check_sampling_against,
+    require_prompts,
+    sampling_params,
+)
 from .grpo import GroupRLConfig, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import score
 
@@ -87,6 +103,15 @@ class WorkflowRL:
     """Flow-GRPO across the t2i → i2v workflow. ``WorkflowRL(config).run()``."""
 
     name = "workflow_rl"
+    #: the config's tables (``flowseam train --method workflow_rl --show-config``)
+    CONFIG_TABLES = ("t2i_sampling", "i2v_sampling", "grpo", "optim", "t2i_optim", "i2v_optim",
+                     "lora", "distributed")
+
+    @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        """Every config key with its default, tables as dicts (``[t2i_optim]`` and
+        ``[i2v_optim]`` take any ``[optim]`` key, for that stage only)."""
+        return schema_defaults(WorkflowRLConfig)
 
     def __init__(self, config: dict[str, Any], t2i: ModelInstance | None = None,
                  i2v: ModelInstance | None = None, reward=None) -> None:
@@ -108,6 +133,8 @@ class WorkflowRL:
         if TaskType.T2I not in self.t2i.card.tasks or TaskType.I2V not in self.i2v.card.tasks:
             raise FlowseamError(f"workflow_rl needs a text-to-image then an image-to-video model; got "
                                 f"{self.t2i.card.name} and {self.i2v.card.name}")
+        check_sampling_against(self.t2i, self.t2i_sampling, "t2i_sampling")
+        check_sampling_against(self.i2v, self.i2v_sampling, "i2v_sampling")
         self.stages = [Stage.create(name, model, merge_overrides(cfg["optim"], cfg[f"{name}_optim"]),
                                     cfg["lora"], with_reference=self.grpo.beta > 0, dp=self.dp)
                        for name, model in (("t2i", self.t2i), ("i2v", self.i2v))]
@@ -172,11 +199,17 @@ class WorkflowRL:
         return record
 
     def run(self, progress: bool = True) -> dict[str, Any]:
-        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint)."""
+        """Train for ``steps`` steps (resuming from ``output_dir``'s latest checkpoint); with an
+        ``output_dir`` the run ends with its final checkpoint and each stage's trained model
+        (``t2i/model/``, ``i2v/model/``; LoRA files beside them for a LoRA run).
+
+        :returns: ``{"steps", "records", "weights_versions", "exported": {stage: {"model", "lora"}}}``
+        """
         self.progress = progress
         records = run_training(self, self.stages, "workflow_rl", "reward_mean")
         return {"steps": self.step, "records": records,
-                "weights_versions": {s.name: s.sync.version for s in self.stages}}
+                "weights_versions": {s.name: s.sync.version for s in self.stages},
+                "exported": self.files.exported_paths()}
 
     def evaluate(self, seeds: list[int], prompts: list[str] | None = None) -> torch.Tensor:
         """Mean final-video reward per seed with ODE (serve) sampling: ``(len(seeds),)``."""

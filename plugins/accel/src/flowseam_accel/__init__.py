@@ -12,6 +12,7 @@ the worked example for third-party backend authors, one concept per module:
 ``kernels``       ``flow_match_step`` and ``flow_sde_step``, fused by torch.compile, following
                   the contracts in :mod:`flowseam.ops`
 ``components``    ``dit`` and ``vae`` builders: the real diffusers classes, compiled in place
+                  (a DiT's repeated transformer blocks: regional compilation)
 ``compiled``      compile once per signature; compile seconds booked apart from run seconds
 ================  ===============================================================================
 
@@ -26,8 +27,10 @@ What accel provides, and what it leaves to cpu on purpose:
   ``platform.components`` / ``platform.explain()`` say so).
 
 Compile time
-    Compilation is lazy and happens once per module (or kernel) and input signature;
-    :func:`compile_report` returns the seconds spent compiling apart from the seconds spent
+    Compilation is lazy and happens once per module (or kernel) and input signature; a DiT's
+    repeated blocks share one compiled block (regional compilation, see
+    :mod:`flowseam_accel.components`), and with dynamic shapes a new resolution or frame count is
+    not a new signature (a batch of one still is); :func:`compile_report` returns the seconds spent compiling apart from the seconds spent
     running (how they are told apart: :mod:`flowseam_accel.compiled`).
 
 Reusing compiled code across processes
@@ -38,9 +41,8 @@ Reusing compiled code across processes
     (``torch._functorch.config.enable_autograd_cache``, on by default) stores the
     forward/backward split on top of it. Both live under ``TORCHINDUCTOR_CACHE_DIR`` (default
     ``/tmp/torchinductor_<user>``). A later process still traces with dynamo (that part is not
-    cached, and it grows with the model) but then loads instead of compiling: the default tiny Wan
-    DiT on 2 CPU cores took 34-57 s cold and about 7 s warm; this repo's accel tests, about 100 s
-    cold and 23 s warm. To keep the cache across machines or CI runs, point
+    cached; regional compilation keeps it to one block per block class) but then loads instead
+    of compiling (figures: ``bench/backends.py --cold``, in the README's benchmark table). To keep the cache across machines or CI runs, point
     ``TORCHINDUCTOR_CACHE_DIR`` at a persistent directory before the first compile (or ship the
     artifacts with ``torch.compiler.save_cache_artifacts()`` / ``load_cache_artifacts()``), and
     keep torch, this package and the inductor config the same: any change is a new key, i.e. a

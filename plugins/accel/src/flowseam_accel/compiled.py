@@ -52,6 +52,7 @@ class _Entry:
 
 
 _ENTRIES: dict[str, _Entry] = {}
+_SEEN: dict[str, set[str]] = {}  # input signatures announced per entry name (see Timed)
 
 
 def compile_report() -> dict[str, Any]:
@@ -109,14 +110,37 @@ def signature(args: tuple, kwargs: dict) -> str:
 
 class Timed:
     """Calls ``fn`` and books the seconds under ``name`` as compile or run time (see the module
-    docstring). Transparent otherwise: same arguments, same result, exceptions propagate."""
+    docstring). Transparent otherwise: same arguments, same result, exceptions propagate.
+
+    When flowseam's notices are on (the ``flowseam`` command turns them on), the first call with
+    each input signature is announced with :func:`flowseam.console.long_wait` — a compile takes
+    minutes on a small CPU and would otherwise look like a hang — and its closing line says
+    whether it compiled. Wrappers with the same ``name`` (the blocks of one class in a regionally
+    compiled DiT) share what they have seen, so a signature is announced once per name."""
 
     def __init__(self, name: str, fn: Callable) -> None:
         self.name = name
         self.fn = fn
+        self._seen = _SEEN.setdefault(name, set())
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from flowseam.console import long_wait, notices_enabled
+
+        if notices_enabled():
+            sig = signature(args, kwargs)
+            if sig not in self._seen:
+                self._seen.add(sig)
+                message = (f"accel: compiling {self.name} for new input shapes with torch.compile "
+                           "(first call; cached on disk afterwards)")
+                with long_wait(message) as wait:
+                    out, compiled = self._call(args, kwargs)
+                    wait.outcome = "compiled" if compiled else "ready (compiled before)"
+                return out
+        return self._call(args, kwargs)[0]
+
+    def _call(self, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+        """``(fn's result, whether dynamo compiled during the call)``, booked."""
         events = _compile_events()
         start = time.perf_counter()
         out = self.fn(*args, **kwargs)
@@ -133,7 +157,7 @@ class Timed:
                 entry.signatures.append(signature(args, kwargs))
             else:
                 entry.run_s += seconds
-        return out
+        return out, compiled
 
     def __repr__(self) -> str:
         return f"<Timed {self.name!r} {self.fn!r}>"

@@ -2,9 +2,20 @@
 compiled in place.
 
 ``dit`` (``WanTransformer3DModel``, ``FluxTransformer2DModel``, ...)
-    The whole module is compiled with ``nn.Module.compile`` (see
-    :func:`flowseam_accel.compiled.compile_module`): it stays the same object of the same class,
-    with its ``config``, parameters and attention processors, and loops call it as before.
+    Regional compilation (torch's recipe, the same choice as diffusers'
+    ``ModelMixin.compile_repeated_blocks``): every block whose class the model lists in
+    ``_repeated_blocks`` (``WanTransformerBlock``; ``FluxTransformerBlock`` and
+    ``FluxSingleTransformerBlock``) is compiled in place with ``nn.Module.compile`` (see
+    :func:`flowseam_accel.compiled.compile_module`). The blocks of one class share their
+    ``forward`` code, and with torch's default ``inline_inbuilt_nn_modules`` their parameters
+    are graph inputs, so dynamo traces and inductor compiles one block and every other block
+    reuses its graphs: the compile cost no longer grows with the depth of the model, and a new
+    input shape costs one block's graphs. The embeddings, the output head and the attention
+    processors (which :mod:`flowseam.attention` keeps eager, between a block's graphs) run
+    eagerly, as they do in diffusers' own regional compilation. A DiT without
+    ``_repeated_blocks`` is compiled whole. Either way the model stays the same object of the
+    same class, with its ``config``, parameters and attention processors, and loops call it as
+    before. Compile and run seconds are booked per block class (``"dit:transformer.WanTransformerBlock"``).
 
 ``vae`` (``AutoencoderKLWan``, ``AutoencoderKL``, ...)
     A diffusers VAE is used through ``encode()`` / ``decode()``, never ``forward()``, so compiling
@@ -23,10 +34,17 @@ compiled in place.
 Other kinds are not declared (see :func:`flowseam_accel.plugin.flowseam_component_kinds`) and
 fall back to cpu; ``text_encoder`` is left out on purpose, so that fallback is exercised.
 
-Every component is compiled with ``dynamic=False``: one specialized graph per input shape, and
-a given shape always runs the same graph (serve and rollout are numerically the same). Past
-``torch._dynamo.config.recompile_limit`` distinct shapes (8 by default) dynamo runs new shapes
-eagerly, with a warning.
+The DiT's blocks are compiled with ``dynamic=True`` (the VAE's encoder and decoder stay
+``dynamic=False``, one graph per shape and cache state: inductor fails to lower the Wan VAE's
+causal conv3d with symbolic sizes): sizes are symbols in the graph, so one graph
+serves every resolution, frame count and text length, and a given shape always runs the same
+graph (serve and rollout are numerically the same, the first run and the hundredth alike). torch
+still specializes sizes 0 and 1, so a batch of one (CFG off, or a single sample) compiles its
+own graphs once, next to those of larger batches. With ``dynamic=False`` every new shape was
+a new compile of every graph, and a conformance run, which tries many shapes, reached dynamo's
+``recompile_limit`` (8 per function, after which new shapes run eagerly); ``dynamic=None``
+(torch's automatic dynamic shapes) would swap a shape's specialized graph for a dynamic one
+after the second shape, so the same request could give different bits before and after.
 """
 
 from __future__ import annotations
@@ -38,16 +56,36 @@ from flowseam.components import instantiate
 from .compiled import compile_module
 from .device import torch_device
 
-_COMPILE_OPTIONS = {"dynamic": False}
+_COMPILE_OPTIONS = {"dynamic": True}
+#: The VAE stays shape-specialized: inductor 2.13 fails to lower the Wan VAE's causal conv3d with
+#: symbolic sizes (ValueRangeError on the padded input, seen on the wan2.1-i2v encoder).
+_VAE_COMPILE_OPTIONS = {"dynamic": False}
 
 #: The submodules of a diffusers VAE that do its work; compiled where present.
 VAE_SUBMODULES = ("encoder", "decoder")
 
 
 def build_dit(spec: ComponentSpec) -> torch.nn.Module:
-    """``spec``'s transformer in float32 on accel's device, compiled in place."""
+    """``spec``'s transformer in float32 on accel's device, its repeated blocks compiled in place
+    (see :func:`compile_repeated_blocks`)."""
     module = instantiate(spec, device=str(torch_device()), dtype=torch.float32)
-    return compile_module(module, f"dit:{spec.name}", **_COMPILE_OPTIONS)
+    return compile_repeated_blocks(module, f"dit:{spec.name}")
+
+
+def compile_repeated_blocks(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """Compile in place every submodule of ``module`` whose class name is in
+    ``module._repeated_blocks``, each timed under ``"<name>.<class name>"``; ``module`` itself,
+    timed under ``name``, when it lists no repeated block or none is found.
+
+    :returns: ``module`` (the same object).
+    """
+    repeated = set(getattr(module, "_repeated_blocks", None) or ())
+    blocks = [m for m in module.modules() if type(m).__name__ in repeated]
+    if not blocks:
+        return compile_module(module, name, **_COMPILE_OPTIONS)
+    for block in blocks:
+        compile_module(block, f"{name}.{type(block).__name__}", **_COMPILE_OPTIONS)
+    return module
 
 
 def build_vae(spec: ComponentSpec) -> torch.nn.Module | None:
@@ -58,7 +96,7 @@ def build_vae(spec: ComponentSpec) -> torch.nn.Module | None:
     if not parts:
         return None
     for name in parts:
-        compile_module(getattr(module, name), f"vae:{spec.name}.{name}", **_COMPILE_OPTIONS)
+        compile_module(getattr(module, name), f"vae:{spec.name}.{name}", **_VAE_COMPILE_OPTIONS)
     return module
 
 

@@ -1,0 +1,219 @@
+"""Adaptive step caching: skip the DiT on steps where its output changes little.
+
+A policy any loop runs with (``DiffusionParams.cache``, ``flowseam generate --cache
+NAME:THRESHOLD``), off by default. It lives here, in the loop, and never inside a model: the loop
+asks :class:`StepCache` for each step's velocity, and the cache either runs the DiT (through the
+model's ``branch_velocity``) or predicts the velocity from the ones it computed before.
+
+The family is TeaCache (Liu et al. 2024, "Timestep Embedding Tells: It's Time to Cache for Video
+Diffusion Model"), First-Block Cache (ParaAttention; diffusers' ``FirstBlockCacheConfig``) and
+MagCache (Ma et al. 2025, "MagCache: Fast Video Generation with Magnitude-Aware Cache"): estimate
+how much the output would change since the last computed step, accumulate that estimate over
+skipped steps, and compute again once the sum passes a threshold. What differs is the estimate.
+TeaCache needs a per-model polynomial fitted offline, MagCache a per-model table of magnitude
+ratios, First-Block Cache runs the first transformer block on every step. flowseam's estimate
+needs none of these and no DiT work: the velocity's own measured rate of change,
+
+    rate = ||v_a - v_b|| / (||v_a|| * |sigma_a - sigma_b|)
+
+from the last two computed velocities ``v_a`` (at ``sigma_a``) and ``v_b``. A step at ``sigma``
+adds ``rate * |sigma - sigma_prev|`` to the accumulated estimate; while the sum stays below the
+threshold the DiT is skipped, and the velocity is predicted:
+
+* ``reuse``: the last computed velocity (TeaCache / First-Block Cache reuse the cached residual);
+* ``extrapolate``: first order in sigma through the last two computed velocities,
+  ``v_a + (sigma - sigma_a) (v_a - v_b) / (sigma_a - sigma_b)`` (TaylorSeer's first-order
+  forecast, Liu et al. 2025, "From Reusing to Forecasting").
+
+The first ``warmup`` steps (at least two, to measure a rate) and the last step are always
+computed. With classifier-free guidance each branch (unconditional, conditional) has its own
+history and its own decision, and only the branches that must be computed run (a batch of B
+rather than 2B). A model with several DiT experts (Wan2.2) starts a fresh history at each expert.
+
+Threshold: a relative change of the velocity (0.05 = 5 %); 0 computes every step. Results
+report ``steps_computed`` / ``steps_skipped`` (steps where no branch ran the DiT) and the branch
+counts (``LoopResult.cache``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+#: policy name → how a skipped step's velocity is predicted
+POLICIES = ("reuse", "extrapolate")
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """A request's step-cache policy (hashable; ``DiffusionParams.cache``).
+
+    :param name: ``"reuse"`` or ``"extrapolate"`` (module docstring).
+    :param threshold: the accumulated relative change of the velocity at which the DiT runs
+        again (>= 0; 0 computes every step).
+    :param warmup: the first steps always computed (>= 2).
+    :param max_skips: the most consecutive steps a branch may skip.
+    :param in_rollouts: allow the policy in RL rollouts with capture (off: such a rollout is
+        refused, since its log-probs would not be those of the model that is trained).
+    """
+
+    name: str
+    threshold: float
+    warmup: int = 2
+    max_skips: int = 3
+    in_rollouts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"cache={self.name!r} is unknown; policies: {', '.join(POLICIES)}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not self.threshold >= 0:
+            raise ValueError(f"cache threshold={self.threshold!r} must be a number >= 0")
+        if not isinstance(self.warmup, int) or self.warmup < 2:
+            raise ValueError(f"cache warmup={self.warmup!r} must be an integer >= 2 (two computed "
+                             "steps measure the velocity's rate of change)")
+        if not isinstance(self.max_skips, int) or self.max_skips < 1:
+            raise ValueError(f"cache max_skips={self.max_skips!r} must be an integer >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> "CachePolicy":
+        """``NAME:THRESHOLD`` (``--cache extrapolate:0.1``). :raises ValueError: naming the
+        value and what is allowed."""
+        match = re.fullmatch(r"([a-z_]+):([0-9.eE+-]+)", text.strip())
+        if not match:
+            raise ValueError(f"--cache {text!r} must be NAME:THRESHOLD with NAME one of "
+                             f"{', '.join(POLICIES)}, e.g. extrapolate:0.1")
+        try:
+            threshold = float(match.group(2))
+        except ValueError:
+            raise ValueError(f"--cache {text!r}: threshold {match.group(2)!r} is not a "
+                             "number") from None
+        return cls(match.group(1), threshold)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.threshold:g}"
+
+
+def normalize_cache(value) -> CachePolicy | None:
+    """A request's cache policy from None, a :class:`CachePolicy`, ``"NAME:THRESHOLD"`` or a
+    mapping ``{"name", "threshold", ...}`` (the HTTP API, TOML). :raises ValueError: otherwise."""
+    if value is None or isinstance(value, CachePolicy):
+        return value
+    if isinstance(value, str):
+        return CachePolicy.parse(value)
+    if isinstance(value, dict) and "name" in value and "threshold" in value:
+        unknown = set(value) - set(CachePolicy.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"cache has unknown keys {sorted(unknown)}; allowed: "
+                             f"{sorted(CachePolicy.__dataclass_fields__)}")
+        return CachePolicy(**value)
+    raise ValueError(f"cache={value!r}: give 'NAME:THRESHOLD' or {{'name': ..., 'threshold': ...}}")
+
+
+def check_cache(policy: CachePolicy | None, capture: bool) -> None:
+    """Refuse a cache policy in an RL rollout with capture unless it allows it
+    (``in_rollouts=True``): the recorded log-probs must be those of the model that is trained.
+
+    :raises ValueError: naming the policy and how to allow it.
+    """
+    if policy is not None and capture and not policy.in_rollouts:
+        raise ValueError(f"cache={policy} in an RL rollout: predicted velocities would make the "
+                         "recorded log-probs those of a cached model, not of the model that is "
+                         "trained; drop the cache, or pass CachePolicy(..., in_rollouts=True) "
+                         "to ask for it (its records then say so)")
+
+
+@dataclass
+class _History:
+    """One branch's computed velocities: (sigma, velocity) of the last two, and the estimate."""
+
+    computed: list[tuple[float, torch.Tensor]] = field(default_factory=list)
+    accumulated: float = 0.0
+    skips: int = 0
+    last_sigma: float | None = None
+
+    def rate(self) -> float:
+        (s_b, v_b), (s_a, v_a) = self.computed[-2:]
+        norm = float(v_a.float().norm())
+        if norm == 0.0 or s_a == s_b:
+            return float("inf")
+        return float((v_a - v_b).float().norm()) / (norm * abs(s_a - s_b))
+
+
+class StepCache:
+    """One request's cache: per (expert, branch) histories, and what it computed and skipped.
+
+    :param policy: the request's :class:`CachePolicy`.
+    :param sigmas: the schedule's sigmas (N + 1 floats); step ``i`` starts at ``sigmas[i]``.
+    """
+
+    def __init__(self, policy: CachePolicy, sigmas: Sequence[float]) -> None:
+        self.policy = policy
+        self.sigmas = list(sigmas)
+        self.num_steps = len(self.sigmas) - 1
+        self._histories: dict[tuple[str, int], _History] = {}
+        self.steps_computed = 0
+        self.steps_skipped = 0
+        self.branches_computed = 0
+        self.branches_skipped = 0
+        #: per step: whether it skipped the DiT entirely
+        self.skipped: list[bool] = []
+        #: per step: whether any branch's velocity was predicted rather than computed
+        self.predicted: list[bool] = []
+
+    def velocity(self, i: int, expert: str, num_branches: int,
+                 compute: Callable[[list[int]], list[torch.Tensor]],
+                 combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """Step ``i``'s velocity from ``expert``: each of the ``num_branches`` branches is
+        computed (``compute(branch indices) -> their velocities``, one DiT call) or predicted,
+        then ``combine(per-branch velocities)`` guides them (CFG)."""
+        sigma = self.sigmas[i]
+        histories = [self._histories.setdefault((expert, b), _History())
+                     for b in range(num_branches)]
+        must = i < self.policy.warmup or i == self.num_steps - 1
+        run: list[int] = []
+        for b, h in enumerate(histories):
+            if must or len(h.computed) < 2 or h.skips >= self.policy.max_skips:
+                run.append(b)
+                continue
+            estimate = h.accumulated + h.rate() * abs(sigma - h.last_sigma)
+            if estimate >= self.policy.threshold:
+                run.append(b)
+            else:
+                h.accumulated = estimate
+        out: list[torch.Tensor | None] = [None] * num_branches
+        if run:
+            for b, v in zip(run, compute(run)):
+                h = histories[b]
+                h.computed = (h.computed + [(sigma, v)])[-2:]
+                h.accumulated, h.skips = 0.0, 0
+                out[b] = v
+        for b, h in enumerate(histories):
+            h.last_sigma = sigma
+            if out[b] is None:
+                h.skips += 1
+                out[b] = self._predict(h, sigma)
+        self.branches_computed += len(run)
+        self.branches_skipped += num_branches - len(run)
+        self.steps_computed += bool(run)
+        self.steps_skipped += not run
+        self.skipped.append(not run)
+        self.predicted.append(len(run) < num_branches)
+        return combine(out)
+
+    def _predict(self, h: _History, sigma: float) -> torch.Tensor:
+        (s_b, v_b), (s_a, v_a) = h.computed[-2:]
+        if self.policy.name == "reuse":
+            return v_a
+        return v_a + (v_a - v_b) * ((sigma - s_a) / (s_a - s_b))
+
+    def report(self) -> dict:
+        """``{"policy", "steps_computed", "steps_skipped", "branches_computed",
+        "branches_skipped"}`` (``LoopResult.cache``)."""
+        return {"policy": str(self.policy), "steps_computed": self.steps_computed,
+                "steps_skipped": self.steps_skipped, "branches_computed": self.branches_computed,
+                "branches_skipped": self.branches_skipped}
