@@ -307,8 +307,12 @@ def test_a_checkpoints_serving_defaults_come_before_the_cards(ckpts, tmp_path, c
     assert model.check(GenerationRequest(PROMPT, TaskType.T2V, DiffusionParams(num_steps=2))).num_steps == 2
     target = tmp_path / "clip.mp4"
     assert cli_main(["generate", "--model", str(path), "--prompt", PROMPT, "--frames", "6",
-                     "--audio-guidance", "-1", "--backend", "cpu", "--output", str(target)]) == 2
+                     "--backend", "cpu", "--output", str(target)]) == 2
     assert "--frames=6 is not of the form 2k+1" in capsys.readouterr().err
+    # a range error is refused before the model loads, in the flag's words too
+    assert cli_main(["generate", "--model", str(path), "--prompt", PROMPT, "--audio-guidance", "-1",
+                     "--backend", "cpu", "--output", str(target)]) == 2
+    assert "--audio-guidance=-1.0 must be a finite number >= 0" in capsys.readouterr().err
     assert not target.exists()
 
 

@@ -110,6 +110,7 @@ def _generate(args: argparse.Namespace) -> int:
                          "images, .mp4 or .gif for videos, .wav for the sound alone")
     if args.fps is not None:
         media.check_fps(args.fps)
+    image = media.read_image(args.image) if args.image is not None else None  # missing, bomb...
     if args.workflow is not None:
         if args.workflow not in WORKFLOWS:
             raise ValueError(f"--workflow {args.workflow!r} is unknown; available: {sorted(WORKFLOWS)}")
@@ -136,7 +137,6 @@ def _generate(args: argparse.Namespace) -> int:
         if args.workflow is not None:
             raise ValueError("--lora applies to one model; a --workflow runs two")
     ignore = tuple(args.ignore_scheduler_option or ())
-    image = media.read_image(args.image) if args.image is not None else None
     backends = args.backend or [None]
     if len(backends) > (2 if args.workflow else 1):
         raise ValueError(f"--backend given {len(backends)} times; once, or once per workflow stage")

@@ -17,6 +17,7 @@ implementation ids without scanning entry points again.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Any
 
 from .components import MODULE_KINDS, ComponentRecord, ComponentSpec, module_dtype
@@ -209,9 +210,10 @@ class Platform:
             f"Platform: backend {self.name!r} ({b.distribution} {b.version}), "
             f"device chain {' → '.join(self.device_chain)}",
             "arch chains: " + "; ".join(f"{d}: {' → '.join(a)}" for d, a in self.arch_chains.items()),
-            "plugins per device: " + "; ".join(
+            *textwrap.wrap("plugins per device: " + "; ".join(
                 f"{d}: " + ", ".join(f"{r.name} ({r.distribution} {r.version})" for r in self._serving[d])
-                for d in self.device_chain),
+                for d in self.device_chain), width if not verbose else 10 ** 6, subsequent_indent="  ",
+                break_long_words=False, break_on_hyphens=False),
             "",
         ]
         first = self.device_chain[0]

@@ -48,16 +48,19 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise FlowseamError(
-                f"output_dir {self.path.parent} is in use by another run ({holder}); wait for it "
-                "to finish, or give this run another output_dir") from None
+            self._refuse(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
         self._fd = fd
         return self
+
+    def _refuse(self, fd: int) -> None:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise FlowseamError(
+            f"output_dir {self.path.parent} is in use by another run ({holder}); wait for it "
+            "to finish, or give this run another output_dir") from None
 
     def release(self) -> None:
         if self._fd is not None:
@@ -65,9 +68,20 @@ class RunLock:
             self._fd = None
 
     def check_free(self) -> None:
-        """Fail now (before any model loads) if another run holds the lock; holds nothing."""
-        self.acquire()
-        self.release()
+        """Fail now (before any model loads) if another run holds the lock; creates nothing
+        (a run refused later, by a bad config, leaves no ``output_dir`` behind) and holds
+        nothing."""
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._refuse(fd)
+        os.close(fd)
 
     @property
     def held(self) -> bool:
