@@ -305,4 +305,4 @@ def test_train_cli_runs_unified_rl_and_refuses_a_bad_key(ckpts, tmp_path):
     assert (tmp_path / "run" / "lm" / "config.json").is_file()
     bad = run_cli("train", "--method", "unified_rl", "--config", str(tmp_path / "u.toml"),
                   "--set", "rewrites=1")
-    assert bad.returncode == 2 and "rewrites=1 must be an integer >= 2" in bad.stderr
+    assert bad.returncode == 2 and "rewrites=1: Input should be greater than or equal to 2" in bad.stderr
