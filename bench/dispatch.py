@@ -77,7 +77,7 @@ def main() -> None:
     t_noop = min(timeit.repeat(lambda: noop(x, v, sigma, sigma_next), number=number, repeat=7))
     t_wrapped = min(timeit.repeat(lambda: wrapped(x, v, sigma, sigma_next), number=number, repeat=7))
     wrapper = (t_wrapped - t_noop) / number
-    # the loop's output check after each step (shape, dtype, device, one isfinite reduction)
+    # the loop's output check after each step (shape, dtype, device, one sum: its finiteness)
     from flowseam.faults import check_step
 
     out = step(x, v, sigma, sigma_next)
@@ -94,7 +94,7 @@ def main() -> None:
           f"= {100 * per_call / mb:.2f} % of the bare 1M-element step")
     print(f"BoundKernel wrapper alone (call inside a try, no-op function): {wrapper * 1e9:.0f} ns "
           f"= {100 * wrapper / mb:.3f} % of the bare 1M-element step")
-    print(f"loop output check after a step (shape/dtype/device, isfinite over {n:,} elements): "
+    print(f"loop output check after a step (shape/dtype/device, the finiteness of one sum over {n:,} elements): "
           f"{t_check * 1e6:.1f} µs = {100 * t_check / mb:.1f} % of the bare step (a DiT forward "
           "per step costs far more)")
 

@@ -279,6 +279,21 @@ def test_a_faulty_kernel_is_named_with_its_impl_id(faulty_model, monkeypatch, mo
         assert isinstance(info.value.__cause__, cause)
 
 
+def test_the_step_check_is_one_sum_and_never_a_false_alarm():
+    """The loops' finiteness test is one sum: a sum that overflows (finite float16 values) falls
+    back to the element-wise test instead of raising; one NaN anywhere is still caught."""
+    from flowseam.faults import check_step
+
+    kernel = flowseam.Platform("cpu").kernels.get(flowseam.ops.FLOW_MATCH_STEP)
+    latents = torch.full((4, 1024), 60000.0, dtype=torch.float16)
+    assert not torch.isfinite(latents.sum())  # the cheap test alone would be a false alarm
+    check_step(None, 0, kernel, latents, latents, latents.clone(), 1.0, 0.5)
+    bad = latents.clone()
+    bad[3, 17] = float("nan")
+    with pytest.raises(KernelFaultError, match="non-finite latents from finite inputs at step 0"):
+        check_step(None, 0, kernel, latents, latents, bad, 1.0, 0.5)
+
+
 def test_a_faulty_sde_kernel_is_named_in_a_rollout(faulty_model, monkeypatch):
     monkeypatch.setenv("FAULTY_MODE", "nan")
     req = flowseam.GenerationRequest(["a ball"] * 2, flowseam.TaskType.T2I,
