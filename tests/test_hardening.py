@@ -326,6 +326,31 @@ def test_a_faulty_component_is_named(hostile_registry, ckpts, monkeypatch, mode,
         assert word in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("mode,error,words", [
+    ("nan", KernelFaultError, ["'flow_match_step'", "non-finite latents from finite inputs at step 0"]),
+    ("shape", KernelFaultError, ["'flow_match_step'", "at step 0"]),
+    ("dit_nan", ComponentFaultError, ["'transformer' (kind dit)", "predicted a non-finite velocity at step 0"]),
+])
+def test_the_ltx2_loop_checks_every_step_like_the_others(hostile_registry, tmp_path_factory, monkeypatch,
+                                                         mode, error, words):
+    """LTX-2 steps its joint video+audio state with its own kernels: each step's velocity and
+    kernel output are checked, and a fault names the plugin (and the kernel's impl_id)."""
+    path = tmp_path_factory.getbasetemp() / "ltx2-faulty"
+    if not path.exists():
+        write_tiny_checkpoint("ltx2-t2v", path)
+    monkeypatch.setenv("FAULTY_MODE", mode)
+    model = flowseam.load(path, platform=flowseam.Platform("faulty", registry=hostile_registry), quiet=True)
+    params = DiffusionParams(num_steps=2, height=64, width=64, num_frames=9, stages=1,
+                             max_sequence_length=16)
+    with pytest.raises(error) as info:
+        model.generate("a dog", params=params)
+    _names_the_plugin(info.value, words[0])
+    for word in words[1:]:
+        assert word in str(info.value), str(info.value)
+    if error is KernelFaultError:
+        assert info.value.impl_id == model.platform.kernels.get(flowseam.ops.FLOW_MATCH_STEP).impl_id
+
+
 def test_the_cli_names_a_plugin_fault_and_exits_3(hostile_registry, ckpts, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FAULTY_MODE", "raise")
     monkeypatch.setattr(flowseam.plugins, "_CACHE", hostile_registry)  # what discover() returns

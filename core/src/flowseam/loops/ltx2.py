@@ -15,6 +15,12 @@ re-noising is one call of the platform's ``flow_renoise`` kernel. With
 ``ExecutionProfile.ROLLOUT`` every step of both stages is captured with its kernel's
 ``impl_id``; the steps are numbered across the stages (stage 2 continues after stage 1's last
 index), which is also how ``sde_window`` counts them.
+
+Every step's output is checked as in the other loops (:mod:`flowseam.faults`): the DiT's velocity
+(a tensor of the state's shape, on its device), each kernel's output (the state's shape, dtype
+and device, finite; an SDE step's finite ``(B,)`` log-prob) and the re-noised stage-2 state; a
+failing component (encoders, DiT, upsampler, VAEs, vocoder) is named with the plugin that built
+it, a failing kernel with its step, op and ``impl_id``.
 """
 
 from __future__ import annotations
@@ -26,12 +32,16 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..faults import check_finite, check_step, check_velocity, component_faults
 from ..noise import noise_like
 from ..request import DiffusionParams, GenerationRequest
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
+
+#: The component kinds that turn a request into conditioning (stage 2 of ``run``).
+ENCODERS = ("text_encoder", "tokenizer", "text_connectors")
 
 
 def run(model: "ModelInstance", request: GenerationRequest,
@@ -51,6 +61,9 @@ def run(model: "ModelInstance", request: GenerationRequest,
         ``stage2``, ``decode`` and ``total``.
     :raises ValueError: for invalid requests (raised before any model runs): the card's rules, a
         two-stage request on a checkpoint without the latent upsampler.
+    :raises PluginFaultError: when a kernel or component raises or returns something wrong (a
+        wrong shape, dtype or device, non-finite values), naming the plugin, the step, the op and
+        the kernel's ``impl_id`` (:mod:`flowseam.faults`).
     """
     t_start = time.perf_counter()
     # 1. Check inputs before any model runs (frames 8k+1, sizes ÷ 32 or 64, the upsampler for
@@ -59,10 +72,13 @@ def run(model: "ModelInstance", request: GenerationRequest,
     seeds = request.sample_seeds(params)
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     # 2. Encode the prompt: Gemma hidden states → text connectors → video and audio embeddings.
-    cond, t_encoded = model.encode(request, params), time.perf_counter()
+    with component_faults(model, ENCODERS, "encoding the prompt"):
+        cond = model.encode(request, params)
+    t_encoded = time.perf_counter()
 
     # 3. Stage 1: video and audio noise at the base resolution, then the stage's sigmas.
-    latents = model.prepare_latents(request, params, generators, cond)
+    with component_faults(model, ("vae",), "preparing the latents"):
+        latents = model.prepare_latents(request, params, generators, cond)
     sigmas, timesteps = model.schedule(params, latents, cond)
 
     # 4. Denoise stage 1: the solver is whatever the platform resolved for this op (both stages).
@@ -74,13 +90,17 @@ def run(model: "ModelInstance", request: GenerationRequest,
 
     if params.stages == 2:
         # 5. Upsample the video latents x2 (the latent upsampler); the audio latents carry over.
-        latents = model.upsample(latents, cond, params)
+        with component_faults(model, ("latent_upsampler",), "upsampling the latents"):
+            latents = model.upsample(latents, cond, params)
         t_upsampled = time.perf_counter()
 
         # 6. Stage 2: re-noise to the first refine sigma (the platform's flow_renoise kernel),
         #    then the refine steps.
         sigmas2, timesteps2 = model.refine_schedule(params, latents, cond)
+        upsampled = latents
         latents = model.renoise(latents, params.refine_sigmas[0], generators, cond, solver.renoise)
+        check_step(model, "renoise", solver.renoise, upsampled, None, latents, 0.0,
+                   params.refine_sigmas[0])
         latents = solver.denoise(model, latents, sigmas2, timesteps2, cond, params, generators,
                                  first=len(timesteps))
     solver.close()
@@ -89,8 +109,13 @@ def run(model: "ModelInstance", request: GenerationRequest,
     # 7. Decode: the frames (video VAE) and the waveform (audio VAE → vocoder).
     frames, audio, rate = np.zeros((0,), np.float32), None, None
     if decode:
-        frames = model.decode(latents, params, cond)
-        audio, rate = model.decode_audio(latents, params, cond)
+        with component_faults(model, ("vae",), "decoding the frames"):
+            frames = model.decode(latents, params, cond)
+        check_finite(model, ("vae",), frames, "decoded non-finite frames")
+        with component_faults(model, ("audio_vae", "vocoder"), "decoding the audio"):
+            audio, rate = model.decode_audio(latents, params, cond)
+        if audio is not None:
+            check_finite(model, ("audio_vae", "vocoder"), audio, "decoded a non-finite waveform")
     t_end = time.perf_counter()
     return LoopResult(
         frames=frames, latents=latents, params=params, seeds=seeds, records=solver.records,
@@ -151,16 +176,22 @@ class _Solver:
             for i in range(len(timesteps)):
                 index, sigma, sigma_next = first + i, sigmas[i], sigmas[i + 1]
                 t = timesteps[i].expand(latents.shape[0])
-                velocity = model.velocity(latents, t, cond, params)
-                if params.sde_rollout and (self.window is None or index in self.window):
+                with component_faults(model, ("dit",), f"predicting the velocity at step {index}"):
+                    velocity = model.velocity(latents, t, cond, params)
+                check_velocity(model, index, velocity, latents)
+                sde = params.sde_rollout and (self.window is None or index in self.window)
+                if sde:
                     used = self.step
                     out = used(latents, velocity, sigma, sigma_next,
                                noise=noise_like(latents, generators),
                                noise_level=params.noise_level, sigma_max=sigma_max)
-                    next_latents, log_prob = out.sample, out.log_prob
+                    next_latents, log_prob = getattr(out, "sample", out), getattr(out, "log_prob", None)
                 else:
                     used = self.ode
                     next_latents, log_prob = used(latents, velocity, sigma, sigma_next), None
+                # the state's shape, dtype and device, finite (else named: step, op, impl_id)
+                check_step(model, index, used, latents, velocity, next_latents, sigma, sigma_next,
+                           log_prob, sde=sde)
                 if self.capture:
                     self.records.append(BehaviorRecord(index, latents, next_latents, t, sigma,
                                                        sigma_next, sigma_max, log_prob, used.impl_id))
