@@ -127,7 +127,7 @@ def test_train_help_lists_the_registered_methods_and_how_to_see_their_config(cap
     assert "--show-config" in text and "``" not in text
 
 
-@pytest.mark.parametrize("name", ["flowgrpo", "workflow_rl", "finetune", "unified_rl"])
+@pytest.mark.parametrize("name", ["flowgrpo", "workflow_rl", "finetune", "unified_rl", "joint_multi_rl"])
 def test_show_config_prints_every_key_with_its_default_as_toml(name, capsys):
     import tomllib
 

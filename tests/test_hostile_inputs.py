@@ -161,6 +161,12 @@ ROWS = [
     Hostile("train config", "workflow_rl [t2i_optim] lr = 0", TRAIN + ("--method", "workflow_rl"),
             ("[t2i_optim] lr=0", "greater than 0"),
             config=("workflow_rl", {"t2i_optim": {"lr": 0}})),
+    Hostile("train config", "joint_multi_rl [experts.transformer] lr = inf",
+            TRAIN + ("--method", "joint_multi_rl"), ("[experts.transformer] lr=inf", "finite number"),
+            config=("joint_multi_rl", {"experts": {"transformer": {"lr": float("inf")}}})),
+    Hostile("train config", "joint_multi_rl [grpo] max_grad_norm = -1",
+            TRAIN + ("--method", "joint_multi_rl"), ("[grpo] max_grad_norm=-1", "greater than 0"),
+            config=("joint_multi_rl", {"grpo": {"max_grad_norm": -1}})),
     Hostile("train config", "unknown method", TRAIN + ("--method", "ppo"),
             ("unknown training method 'ppo'",), config=("flowgrpo", {})),
 ]
@@ -216,6 +222,8 @@ BASE_CONFIGS = {
                  "output_dir": "{tmp}/run"},
     "workflow_rl": {"t2i_model": "{flux}", "i2v_model": "{i2v}", "prompts": ["a ball"],
                     "group_size": 2, "steps": 1, "output_dir": "{tmp}/run"},
+    "joint_multi_rl": {"model": "{t2v}", "prompts": ["a ball"], "group_size": 2, "steps": 1,
+                       "output_dir": "{tmp}/run"},
 }
 
 

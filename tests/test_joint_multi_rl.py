@@ -181,10 +181,12 @@ def test_resume_is_bit_identical(ckpt, cpu, tmp_path):
      r"every expert is frozen"),
     (dict(experts={"transformer": {"learning_rate": 1.0}}),
      r"\[experts.transformer\] has unknown key\(s\) \['learning_rate'\]"),
-    (dict(experts={"transformer": {"freeze": "yes"}}), r"\[experts.transformer\] freeze='yes' must be true or false"),
+    (dict(experts={"transformer": {"lr": float("inf")}}), r"\[experts.transformer\] lr=inf: .*finite"),
+    (dict(optim={"lr": -1}), r"\[optim\] lr=-1: Input should be greater than 0"),
+    (dict(experts={"transformer": {"freeze": "yes"}}), r"\[experts.transformer\] freeze='yes': Input should be a valid boolean"),
     (dict(experts={"transformer_2": {"lora": {"r": 4}}}), r"\[experts.transformer_2.lora\] has unknown key"),
     (dict(ray={"rollout_workers": 2}), r"config has unknown key\(s\) \['ray'\]"),
-    (dict(group_size=1), r"group_size=1 must be an integer >= 2"),
+    (dict(group_size=1), r"group_size=1: Input should be greater than or equal to 2"),
     (dict(sampling=dict(SAMPLING, noise_level=0)), r"noise_level=0"),
 ])
 def test_config_errors_name_the_key_before_any_weights_load(ckpt, over, message, monkeypatch):

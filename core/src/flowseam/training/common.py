@@ -16,18 +16,11 @@ from ..errors import FlowseamError
 from ..models.base import ModelInstance
 from .distributed import DataParallel, state_checksum
 from .checkpoint import clean_temporaries, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import LoraSection, OptimSection
 from .guards import check_finite_weights
 from .metrics import MetricsWriter, read_metrics, rewrite_metrics
 from .rundir import RunLock, check_config, record_config
 from .weight_sync import WeightRole, WeightSyncPlan
 
-
-
-#: ``[optim]``'s and ``[lora]``'s defaults, from their schemas (for a method that merges tables by
-#: hand, as ``joint_multi_rl`` does)
-OPTIM_DEFAULTS = OptimSection().model_dump()
-LORA_DEFAULTS = LoraSection().model_dump()
 
 
 def derive_seed(base: int, *keys: int) -> int:
@@ -367,9 +360,3 @@ def sync_updated(stages: list[Stage], stats: dict[str, Any]) -> None:
     for stage in stages:
         if stats[stage.name].grad_norms:
             stage.sync.sync()
-
-
-def require_group_size(k: int) -> None:
-    if not isinstance(k, int) or k < 2:
-        raise FlowseamError(f"group_size={k!r} must be an integer >= 2: Flow-GRPO's advantage is "
-                            "relative to the other samples of the same prompt")

@@ -24,6 +24,8 @@ is allowed, before any model loads.
 from __future__ import annotations
 
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Mapping
 
@@ -78,19 +80,6 @@ def section(config: dict[str, Any], name: str, defaults: dict[str, Any]) -> dict
     if unknown:
         raise FlowseamError(f"config [{name}] has unknown key(s) {unknown}; allowed: {sorted(defaults)}")
     return {**defaults, **given}
-
-
-def check_top(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """``config`` over ``defaults``; unknown top-level keys raise. Untyped, like :func:`section`:
-    for a method whose config is not a :class:`ConfigSection` yet (``joint_multi_rl``); a new
-    method declares a schema instead.
-
-    :raises FlowseamError: naming the unknown keys and the allowed ones.
-    """
-    unknown = sorted(set(config) - set(defaults))
-    if unknown:
-        raise FlowseamError(f"config has unknown key(s) {unknown}; allowed: {sorted(defaults)}")
-    return {**defaults, **config}
 
 
 # -- the schema mechanism -------------------------------------------------------------------------
@@ -157,6 +146,15 @@ class LoraSection(ConfigSection):
     target_modules: Names = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
+class LoraOverrides(ConfigSection):
+    """A per-part ``[...lora]`` table over ``[lora]`` (``joint_multi_rl``'s
+    ``[experts.<name>.lora]``): only the keys given replace it."""
+
+    rank: NonNegativeInt | None = None
+    alpha: PositiveFloat | None = None
+    target_modules: Names | None = None
+
+
 class RunConfig(ConfigSection):
     """The keys every training method's config has: how long, from which seed, where to write
     (``metrics.jsonl``, ``checkpoints/``, ``run.json``), how often to checkpoint (0: never)."""
@@ -192,15 +190,39 @@ def schema_defaults(schema: type[ConfigSection]) -> dict[str, Any]:
     return schema.model_construct().model_dump()
 
 
-def _section_fields(schema: type[pydantic.BaseModel], path: tuple) -> list[str]:
+def _without_none(annotation: Any) -> Any:
+    """``X`` for ``X | None`` (``Optional[X]``), else ``annotation``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _section_model(schema: type[pydantic.BaseModel], path: tuple) -> Any:
+    """The section (a pydantic model) at ``path`` under ``schema``, or None: each part names a
+    field; a key of a ``dict[str, Section]`` field (``[experts.transformer]``) is one more part."""
     model: Any = schema
-    for part in path:
+    parts = list(path)
+    while parts:
+        part = parts.pop(0)
         field = model.model_fields.get(part) if isinstance(part, str) else None
-        ann = field.annotation if field is not None else None
+        if field is None:
+            return None
+        ann = _without_none(field.annotation)
+        if typing.get_origin(ann) is dict:
+            if not parts:
+                return None  # the table of tables itself
+            parts.pop(0)
+            ann = _without_none(typing.get_args(ann)[1])
         if not (isinstance(ann, type) and issubclass(ann, pydantic.BaseModel)):
-            return []
+            return None
         model = ann
-    return sorted(model.model_fields)
+    return model
+
+
+def _section_fields(schema: type[pydantic.BaseModel], path: tuple) -> list[str]:
+    model = _section_model(schema, path)
+    return sorted(model.model_fields) if model is not None else []
 
 
 def describe_errors(schema: type[ConfigSection], exc: pydantic.ValidationError) -> str:
@@ -214,14 +236,9 @@ def describe_errors(schema: type[ConfigSection], exc: pydantic.ValidationError) 
         if err["type"] == "extra_forbidden":
             unknown.setdefault(loc[:-1], []).append(str(loc[-1]))
             continue
-        sections = []
-        for part in loc[:-1]:
-            if _section_fields(schema, (*sections, part)):
-                sections.append(part)
-            else:
-                break
-        where = "".join(f"[{p}] " for p in sections)
-        key = ".".join(str(p) for p in loc[len(sections):])
+        depth = max(k for k in range(len(loc)) if _section_model(schema, loc[:k]) is not None)
+        where = f"[{'.'.join(map(str, loc[:depth]))}] " if depth else ""
+        key = ".".join(str(p) for p in loc[depth:])
         given = f"={err['input']!r}" if err["type"] != "missing" else ""
         lines.append(f"config {where}{key}{given}: {err['msg']}")
     for sec, keys in unknown.items():

@@ -118,10 +118,6 @@ class SamplingSection(ConfigSection):
     refine_guidance_scale: NonNegativeFloat | None = None
 
 
-#: ``[sampling]``'s defaults (for a method that merges tables by hand, as ``joint_multi_rl`` does)
-SAMPLING_DEFAULTS = SamplingSection().model_dump()
-
-
 class FlowGRPOConfig(GroupRLConfig):
     """The ``flowgrpo`` config (module docstring)."""
 

@@ -40,6 +40,9 @@ guidance —, ``[grpo]``, ``[optim]``, ``[lora]``) and one table per expert to o
     [experts.transformer_2.lora]            # [lora]'s keys: rank, alpha, target_modules
     rank = 4
 
+The config is typed and range-checked before any model loads (:class:`JointMultiRLConfig`, the
+same :class:`~flowseam.training.config.ConfigSection` mechanism as every method: an
+``[experts.<name>]`` table takes ``[optim]``'s keys with their ranges, ``freeze`` a boolean).
 Expert names are the checkpoint's DiT components (read from its ``model_index.json`` before any
 weights load); an unknown name, or every expert frozen, is refused. One process: ``--nproc`` and
 ``[ray]`` are not implemented for this method (refused).
@@ -69,49 +72,69 @@ from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import TaskType
 from . import get_reward
-from .common import (LORA_DEFAULTS, OPTIM_DEFAULTS, RunFiles, Stage, Timer, derive_seed,
-                     require_group_size, reward_summary, run_training,
-                     sync_updated)
-from .config import check_top, section
+from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
+from .config import (
+    LoraOverrides,
+    LoraSection,
+    Name,
+    NonNegativeFloat,
+    OptimOverrides,
+    OptimSection,
+    merge_overrides,
+    schema_defaults,
+    validate_config,
+)
 from .distributed import DataParallel
-from .flowgrpo import SAMPLING_DEFAULTS, FlowGRPO, check_sampling
-from .grpo import GRPO_DEFAULTS, GRPOConfig, UpdateStats, group_advantages, ppo_update, train_timesteps
+from .flowgrpo import FlowGRPO, SamplingSection, check_sampling, require_prompts, sampling_params
+from .grpo import GroupRLConfig, GRPOConfig, UpdateStats, group_advantages, ppo_update, train_timesteps
 from .rewards import score
 
-TOP_DEFAULTS = dict(model=None, backend=None, prompts=None, reward="brightness", reward_args={},
-                    group_size=4, prompts_per_step=1, steps=10, seed=0, output_dir=None,
-                    checkpoint_every=0, sampling={}, grpo={}, optim={}, lora={}, experts={})
-JOINT_SAMPLING_DEFAULTS = dict(SAMPLING_DEFAULTS, guidance_scale_2=None)
-#: the keys of one ``[experts.<name>]`` table
-EXPERT_DEFAULTS = dict(OPTIM_DEFAULTS, freeze=False, lora={})
+
+class JointSampling(SamplingSection):
+    """``[sampling]``: flowgrpo's, plus ``guidance_scale_2`` (the low-noise expert's guidance)."""
+
+    guidance_scale_2: NonNegativeFloat | None = None
+
+
+class ExpertSection(OptimOverrides):
+    """One ``[experts.<name>]`` table: any ``[optim]`` key for this expert alone, ``freeze``
+    (keep it as loaded; it still rolls out its steps), and ``[experts.<name>.lora]`` over
+    ``[lora]``."""
+
+    freeze: bool = False
+    lora: LoraOverrides = LoraOverrides()
+
+
+class JointMultiRLConfig(GroupRLConfig):
+    """The ``joint_multi_rl`` config (module docstring): one process, so no ``[distributed]`` or
+    ``[ray]`` table."""
+
+    model: Name | None = None
+    backend: Name | None = None
+    sampling: JointSampling = JointSampling()
+    grpo: GRPOConfig = GRPOConfig()
+    optim: OptimSection = OptimSection()
+    lora: LoraSection = LoraSection()
+    experts: dict[Name, ExpertSection] = {}
 
 
 def expert_settings(config: dict[str, Any], experts: tuple[str, ...], optim: dict[str, Any],
                     lora: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each expert's ``{"optim", "lora", "freeze"}``: ``[optim]``/``[lora]`` overridden by its
-    ``[experts.<name>]`` table.
+    ``[experts.<name>]`` table (``config`` validated by :class:`JointMultiRLConfig`).
 
-    :raises FlowseamError: for a name that is not one of ``experts``, an unknown key, a
-        non-boolean ``freeze``, or every expert frozen.
+    :raises FlowseamError: for a name that is not one of ``experts``, or every expert frozen.
     """
-    tables = config.get("experts") or {}
-    if not isinstance(tables, dict):
-        raise FlowseamError(f"experts={tables!r} must be a table of [experts.<name>] tables")
+    tables = config["experts"]
     unknown = sorted(set(tables) - set(experts))
     if unknown:
         raise FlowseamError(f"config [experts] names {unknown}, which the model does not have; its "
                             f"DiT experts are {list(experts)}")
     out = {}
     for name in experts:
-        where = f"experts.{name}"
-        own = section({where: tables.get(name)}, where, EXPERT_DEFAULTS) if name in tables \
-            else dict(EXPERT_DEFAULTS)
-        if not isinstance(own["freeze"], bool):
-            raise FlowseamError(f"[{where}] freeze={own['freeze']!r} must be true or false")
-        given = tables.get(name) or {}
-        out[name] = {"optim": {k: given.get(k, optim[k]) for k in OPTIM_DEFAULTS},
-                     "lora": section({f"{where}.lora": own["lora"]}, f"{where}.lora", lora),
-                     "freeze": own["freeze"]}
+        own = tables.get(name) or ExpertSection().model_dump()
+        out[name] = {"optim": merge_overrides(optim, {k: own[k] for k in optim}),
+                     "lora": merge_overrides(lora, own["lora"]), "freeze": own["freeze"]}
     if all(s["freeze"] for s in out.values()):
         raise FlowseamError(f"every expert is frozen ({list(experts)}): nothing would be trained; "
                             "drop freeze = true from at least one [experts.<name>] table")
@@ -159,16 +182,24 @@ class JointMultiRL(FlowGRPO):
     """
 
     name = "joint_multi_rl"
+    #: the config's tables (``flowseam train --method joint_multi_rl --show-config``)
+    CONFIG_TABLES = ("sampling", "grpo", "optim", "lora")
+
+    @classmethod
+    def default_config(cls) -> dict[str, Any]:
+        """Every config key with its default, tables as dicts (``experts`` is empty: its tables
+        are named after the checkpoint's DiT experts)."""
+        return schema_defaults(JointMultiRLConfig)
 
     def __init__(self, config: dict[str, Any], model: ModelInstance | None = None, reward=None) -> None:
-        self.config = cfg = check_top(config, TOP_DEFAULTS)
+        # everything that can be checked is checked before a model loads
+        self.config = cfg = validate_config(JointMultiRLConfig, config)
         self.check_world_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        require_group_size(cfg["group_size"])
-        if not cfg["prompts"] or not all(isinstance(p, str) for p in cfg["prompts"]):
-            raise FlowseamError(f"prompts={cfg['prompts']!r} must be a non-empty list of strings")
-        self.sampling = check_sampling(section(cfg, "sampling", JOINT_SAMPLING_DEFAULTS))
-        self.grpo = GRPOConfig(**section(cfg, "grpo", GRPO_DEFAULTS))
-        optim, lora = section(cfg, "optim", OPTIM_DEFAULTS), section(cfg, "lora", LORA_DEFAULTS)
+        require_prompts(cfg)
+        self.sampling = check_sampling(cfg["sampling"])
+        sampling_params(self.sampling)  # DiffusionParams' own checks
+        self.grpo = GRPOConfig(**cfg["grpo"])
+        optim, lora = cfg["optim"], cfg["lora"]
         if model is None and not cfg["model"]:
             raise FlowseamError("config needs model = <checkpoint directory>")
         experts = tuple(model.experts) if model is not None else checkpoint_experts(cfg["model"])
