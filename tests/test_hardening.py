@@ -519,21 +519,42 @@ def _umask() -> int:
 
 
 def test_sigterm_while_writing_leaves_no_temporary_file(ckpts, tmp_path):
-    out = tmp_path / "clip.mp4"  # written through an ffmpeg subprocess: a window of ~0.1-1 s
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
-    proc = subprocess.Popen([sys.executable, "-m", "flowseam", "generate", "--model", str(ckpts["t2v"]),
-                             "--prompt", "a cat", "--steps", "1", "--frames", "17", "--height", "64",
-                             "--width", "64", "--backend", "cpu", "--output", str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if list(tmp_path.glob(".clip.*.mp4")):  # the temporary file of the atomic write exists
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.002)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == cli.EXIT_TERMINATED == 143, err
+    """SIGTERM while the output is written (sent to this process by a watcher thread as soon as
+    the atomic write's temporary file exists; the MP4 goes through an ffmpeg subprocess, a
+    window of ~0.1-1 s) unwinds like Ctrl-C: exit status 143 and no temporary file, even when
+    it lands right after the temporary file is created. A signal that lands after the rename (a
+    loaded machine) finds a whole video."""
+    import threading
+
+    out = tmp_path / "clip.mp4"
+    late: list[int] = []
+    # while cli.main runs it installs its own handler; before and after, a late signal is only noted
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
+    stop, sent = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if list(tmp_path.glob(".clip.*.mp4")):
+                sent.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        status = cli.main(["generate", "--model", str(ckpts["t2v"]), "--prompt", "a cat", "--steps", "1",
+                           "--frames", "17", "--height", "64", "--width", "64", "--backend", "cpu",
+                           "--output", str(out)])
+    except SystemExit as exc:
+        status = exc.code
+    finally:
+        stop.set()
+        watcher.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert sent.is_set(), "the temporary file was never seen"
     assert [p.name for p in tmp_path.iterdir() if p != out] == []  # no temporary file
+    assert status == (0 if late else cli.EXIT_TERMINATED) and cli.EXIT_TERMINATED == 143
     if out.exists():  # the signal came after the rename (a loaded machine): a whole video
         import imageio
 

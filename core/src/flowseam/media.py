@@ -75,19 +75,39 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
+    tmp = None
     try:
+        with deferred_signals():  # a SIGTERM right after mkstemp still finds tmp to remove
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+            os.close(fd)
         yield Path(tmp)
         os.chmod(tmp, output_mode(path))
         os.replace(tmp, path)
     except BaseException as exc:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         full = disk_error(exc, path) if isinstance(exc, OSError) else None
         if full is not None:
             raise full from exc
         raise
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive inside the block are delivered when it ends (blocked with
+    ``pthread_sigmask`` in the calling thread; a no-op where that does not exist): a step that
+    creates something to clean up, and records it, cannot be interrupted in between."""
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def check_writable(path: str | os.PathLike) -> Path:
