@@ -148,6 +148,7 @@ def main() -> None:
         "after_mean": float(np.mean(after)), "gain": gain, "gain_exceeds_spread": gain > spread,
         "rewrite_accuracy_before": acc_before, "rewrite_accuracy_after": acc_after,
         "train_reward_per_step": [r["reward_mean"] for r in records],
+        "train_records": records,
         "lm_ratio_dev_first_epoch_max": max(r["lm_ratio_dev_first_epoch"] for r in records),
         "seconds_refiner": round(t_refiner, 1), "seconds_control": round(t_control, 1),
         "seconds_train": round(t_train, 1), "seconds_total": round(time.perf_counter() - started, 1),
