@@ -6,18 +6,21 @@ causal-LM loss on noisy (request, prompt) pairs (``--noise`` of the targets name
 and independently a random direction), so it maps a loose request ("draw me a 7 sliding to the
 left") to the generators' prompt language only part of the time. The generator is the demo's
 t2i → i2v workflow (``--generator workflow``, the final-video reward ``digit_video``) or its
-text-to-image model alone (``--generator t2i``, ``digit_image``). Two runs of ``unified_rl`` from
+text-to-image model alone (``--generator t2i``, ``digit_image``), kept frozen
+(``freeze_generator``; ``--set freeze_generator=false`` trains it too). Two runs of ``unified_rl`` from
 the same models, config and number of steps, on the training requests:
 
 * **control**: ``reward = "constant"``: every advantage is 0, no weight moves (the LM's nor the
-  DiTs'); evaluated with the real reward on ``--seed-sets`` disjoint sets of held-out seeds, the
-  spread (std) of its per-set means is the seed-to-seed noise of the figure;
-* **trained**: the real reward, evaluated on the same seed sets before and after.
+  DiTs': checked bit for bit); evaluated with the real reward on ``--seed-sets`` disjoint sets of
+  held-out seeds, the spread (std) of its per-set means is the seed-to-seed noise of the figure;
+* **trained**: the real reward, evaluated on the same seed sets before and after. "Before" is
+  the control's evaluation (the same weights bit for bit, the same seeds, a deterministic ODE:
+  running it twice gives the same numbers, so it runs once).
 
-Evaluation: every held-out request (never seen in pretraining or RL), one LM rewrite per seed,
-the generator served (ODE) with that seed, scored against the request. It also prints how often
-the LM's rewrites name the requested digit and direction, before and after. ``--json`` writes
-the figures.
+Evaluation: the first ``--held-out`` held-out requests (never seen in pretraining or RL), one LM
+rewrite per seed, the generator served (ODE) with that seed, scored against the request. It also
+prints how often the LM's rewrites name the requested digit and direction, before and after.
+``--json`` writes the figures and the trained run's per-step metrics.
 
     python bench/unified_rl_control.py --steps 20
 """
@@ -90,9 +93,13 @@ def main() -> None:
 
     t2i_serve = serve_params(recipes["digits-t2i"].config)
     i2v_serve = serve_params(recipes["digits-i2v"].config)
-    base = dict(RL_CONFIG, prompts_per_step=args.prompts_per_step,
+    # The refiner is what this proves: the generator renders but is not updated (with M = 2
+    # samples per rewrite its Flow-GRPO advantages are ±0.71 for every pair, mostly noise), and
+    # the LM learns at 3e-4 with a KL of 0.04 to the pretrained LM (at 1e-3 it collapses after
+    # about 9 steps, with or without the KL; see the README's Benchmarks row).
+    base = dict(RL_CONFIG, prompts_per_step=args.prompts_per_step, freeze_generator=True,
                 lm_sampling=dict(temperature=1.0, max_new_tokens=8),
-                lm_grpo=dict(beta=0.0, clip_range=0.2), lm_optim=dict(lr=1e-3, weight_decay=0.0))
+                lm_grpo=dict(beta=0.04, clip_range=0.2), lm_optim=dict(lr=3e-4, weight_decay=0.0))
     config = rl_config([r for r, _, _ in train], args.steps, 2, t2i_serve, i2v_serve, base=base,
                        rewrites=args.rewrites, samples_per_rewrite=args.samples_per_rewrite)
     config.pop("group_size")
@@ -116,12 +123,16 @@ def main() -> None:
     def lm_accuracy(run: UnifiedRL) -> dict[str, float]:
         return rewrite_accuracy(run.refiner, held, [s for k in seed_sets for s in k])
 
+    def weights(run: UnifiedRL) -> list[torch.Tensor]:
+        modules = [run.refiner.lm, *(m.components[m.DIT] for m in run.generator.models.values())]
+        return [p.detach().clone() for m in modules for p in m.parameters()]
+
     t0 = time.perf_counter()
     control = make("constant")
-    lm_before = {k: v.detach().clone() for k, v in control.refiner.lm.named_parameters()}
+    loaded = weights(control)
     if not args.skip_control:
         control.run(progress=True)
-    control_still = all(torch.equal(lm_before[k], v) for k, v in control.refiner.lm.named_parameters())
+    control_still = all(torch.equal(a, b) for a, b in zip(loaded, weights(control)))
     control.reward = get_reward(reward_name)
     control_means = per_set(control)
     spread = float(np.std(control_means))
@@ -129,7 +140,9 @@ def main() -> None:
 
     trained = make(reward_name)
     acc_before = lm_accuracy(trained)
-    before = per_set(trained)
+    # The control's weights (LM and every DiT) are the loaded ones bit for bit, so its evaluation
+    # (same seeds, deterministic ODE) is the untrained system's: reused, not run twice.
+    before = control_means if control_still else per_set(trained)
     t0 = time.perf_counter()
     result = trained.run(progress=True)
     t_train = time.perf_counter() - t0
@@ -142,18 +155,19 @@ def main() -> None:
         "tree": [args.prompts_per_step, args.rewrites, args.samples_per_rewrite],
         "held_out_requests": held_prompts, "seed_sets": len(seed_sets), "seeds_per_set": n,
         "noise": args.noise, "lm_steps": args.lm_steps, "config": config,
-        "control_ran": not args.skip_control, "control_lm_unchanged": control_still,
+        "control_ran": not args.skip_control, "control_weights_unchanged": control_still,
         "control_per_set": control_means, "control_spread": spread,
         "before_per_set": before, "after_per_set": after, "before_mean": float(np.mean(before)),
         "after_mean": float(np.mean(after)), "gain": gain, "gain_exceeds_spread": gain > spread,
         "rewrite_accuracy_before": acc_before, "rewrite_accuracy_after": acc_after,
         "train_reward_per_step": [r["reward_mean"] for r in records],
+        "train_records": records,
         "lm_ratio_dev_first_epoch_max": max(r["lm_ratio_dev_first_epoch"] for r in records),
         "seconds_refiner": round(t_refiner, 1), "seconds_control": round(t_control, 1),
         "seconds_train": round(t_train, 1), "seconds_total": round(time.perf_counter() - started, 1),
     }
     print(f"control (constant reward, {args.steps} steps{'' if not args.skip_control else ', skipped'}): "
-          f"LM unchanged {control_still}; held-out mean {np.mean(control_means):.4f}, per seed set "
+          f"LM and DiT(s) bit-identical {control_still}; held-out mean {np.mean(control_means):.4f}, per seed set "
           f"{np.round(control_means, 4).tolist()} → spread (std) {spread:.4f}")
     print(f"trained ({reward_name}, {args.steps} steps): {np.mean(before):.4f} → {np.mean(after):.4f} "
           f"(gain {gain:+.4f}, {gain / spread if spread else float('inf'):.1f} spreads; per set "

@@ -153,8 +153,14 @@ def test_advantages_per_level_by_hand(ckpts, cpu):
 
 
 def test_unrefined_branches_keep_the_prompt_and_are_the_lms_baseline(ckpts, cpu):
-    u = _unified(ckpts, cpu, rewrites=3, unrefined_rewrites=1, prompts_per_step=2)
+    # with the generator frozen: the LM alone learns, the DiT stays as loaded
+    u = _unified(ckpts, cpu, rewrites=3, unrefined_rewrites=1, prompts_per_step=2, freeze_generator=True)
+    lm_before, dit_before = _params(u.refiner.lm), _params(u.generator.models["dit"].dit)
     rec = u.train_step()
+    assert rec["lm_weights_version"] == 1 and rec["lm_grad_norm"] > 0
+    assert any(not torch.equal(lm_before[n], p) for n, p in u.refiner.lm.named_parameters())
+    assert rec["dit_weights_version"] == 0 and rec["dit_grad_norm"] == 0.0
+    assert all(torch.equal(dit_before[n], p) for n, p in u.generator.models["dit"].dit.named_parameters())
     tree = u.last_rollout
     for prompt, texts in zip(tree["prompts"], tree["texts"]):
         assert texts[0] == prompt
@@ -241,6 +247,7 @@ def test_the_workflow_as_generator_trains_the_lm_and_both_stages(ckpts, cpu, tmp
     (dict(lm_optim=dict(learning_rate=1.0)), r"\[lm_optim\] has unknown key\(s\) \['learning_rate'\]"),
     (dict(rewrite=4), r"config has unknown key\(s\) \['rewrite'\]; allowed: "),
     (dict(prompts=[]), r"config prompts=\[\]: List should have at least 1 item"),
+    (dict(freeze_generator="yes"), r"config freeze_generator='yes': Input should be a valid boolean"),
     (dict(lm_model=None), r"config needs lm_model"),
 ])
 def test_config_errors_name_the_key_before_any_model_loads(ckpts, over, message, monkeypatch):

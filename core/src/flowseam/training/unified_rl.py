@@ -41,6 +41,9 @@ Config (TOML/YAML or dict)::
     rewrites = 4                       # N >= 2 branches per prompt
     unrefined_rewrites = 0             # of the N, how many keep the unrefined prompt (< N)
     samples_per_rewrite = 2            # M >= 2 generator samples per branch
+    freeze_generator = false           # true: the generator renders but is not updated (the
+                                       # LM alone learns from the reward; its weights stay
+                                       # as loaded, no DiT backward pass)
     steps = 10; seed = 0
     output_dir = "runs/unified"        # metrics.jsonl, checkpoints/, and the trained LM in lm/
     checkpoint_every = 0
@@ -133,6 +136,8 @@ class UnifiedRLConfig(RunConfig):
     unrefined_rewrites: NonNegativeInt = 0
     #: M >= 2: the generator's advantage is relative to the other samples of the same rewrite
     samples_per_rewrite: Annotated[int, Field(ge=2)] = 2
+    #: true: the generator renders every rollout but is not updated (the LM alone learns)
+    freeze_generator: bool = False
     sampling: SamplingSection = SamplingSection()
     t2i_sampling: SamplingSection = SamplingSection()
     i2v_sampling: SamplingSection = SamplingSection()
@@ -217,6 +222,7 @@ class UnifiedRL:
             raise FlowseamError(f"config unrefined_rewrites={self.U} must be an integer in [0, "
                                 f"{self.N - 1}]: how many of the rewrites keep the unrefined "
                                 "prompt; at least one must be the LM's")
+        self.freeze_generator = cfg["freeze_generator"]
         workflow = bool(cfg["t2i_model"] or cfg["i2v_model"] or t2i is not None or i2v is not None)
         single = bool(cfg["model"] or model is not None)
         if workflow == single:
@@ -365,6 +371,9 @@ class UnifiedRL:
         stats: dict[str, UpdateStats] = {}
         with timer("update"):
             for stage in self.generator.stages:
+                if self.freeze_generator:
+                    stats[stage.name] = UpdateStats()  # no update, no sync: weights as loaded
+                    continue
                 stats[stage.name] = ppo_update(stage.trainer, stage.reference, trajectories[stage.name],
                                                stage.optimizer, self.grpo,
                                                seed=derive_seed(cfg["seed"], self.step, 99))
