@@ -121,7 +121,9 @@ class TextKV:
     ``to_v(text)`` and the prepared text mask are computed at the stage's first step and reused
     at the next ones (profiled on ``bench/ltx2_vs_diffusers.py``: with 1024 text tokens they were
     about a tenth of the DiT's time). Same operations on the same inputs, so the output is the
-    same (the parity tests against diffusers hold).
+    same (the parity tests against diffusers hold). diffusers 0.42.1's own
+    ``hooks.apply_text_kv_cache`` serves only NucleusMoE-Image's blocks (its processor takes the
+    cached keys), so LTX-2's are kept here.
 
     ``entries`` is None outside :meth:`LTX2T2V.reuse_text_kv`; inside, ``attention module →
     (text shape, key, value, mask)``. Memory: one key and value per text cross-attention layer,
