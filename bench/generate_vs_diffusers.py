@@ -97,6 +97,16 @@ def report(times: dict, peaks: dict, goal: float) -> None:
     print(f"  ratio {first}/{second} = {med[first] / med[second]:.3f}  (goal <= {goal})")
 
 
+def profile(contenders: dict, top: int) -> None:
+    """Run every ``contenders[name]()`` once more under ``torch.profiler`` and print its ``top``
+    ops by self CPU time (nothing when ``top`` is 0)."""
+    for name, fn in contenders.items() if top else ():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        print(f"  {name}: top {top} ops by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
 def main() -> None:
     ap = bench_parser(__doc__, steps=10)
     ap.add_argument("--scheduler", choices=("euler", "unipc"), default="euler")
@@ -141,11 +151,7 @@ def main() -> None:
     print(f"  {model.solver.describe()}")
     report(times, peaks, goal=1.0)
     print(f"  max |flowseam - diffusers| = {np.abs(ours - theirs).max():.2e}")
-    for name, fn in order if args.profile else ():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            fn()
-        print(f"  {name}: top {args.profile} ops by self CPU time")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
+    profile({"flowseam": run_flowseam, "diffusers": run_diffusers}, args.profile)
 
 
 if __name__ == "__main__":

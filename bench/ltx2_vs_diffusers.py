@@ -13,8 +13,9 @@ the pipeline's default 1024 text tokens. diffusers runs its documented two-stage
 each, they alternate ``--repeats`` times (who goes first alternates too). Reports the median
 seconds of each, the ratio flowseam/diffusers (goal <= 0.9), the peak resident-memory growth of
 each run (sampled every 2 ms), and the max-abs difference of their frames and waveforms.
+``--profile N`` then runs each side once more under ``torch.profiler`` and prints its N top ops.
 
-Run: .venv/bin/python bench/ltx2_vs_diffusers.py [--repeats 5] [--backend cpu]
+Run: .venv/bin/python bench/ltx2_vs_diffusers.py [--repeats 5] [--backend cpu] [--profile 12]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from generate_vs_diffusers import alternate, bench_parser, report  # the Wan benchmark's helpers
+from generate_vs_diffusers import alternate, bench_parser, profile, report  # Wan bench helpers
 
 REFINE = [0.909375, 0.725, 0.421875]
 PEER_OFF = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_stg_scale=0.0,
@@ -32,7 +33,10 @@ PEER_OFF = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_s
 
 
 def main() -> None:
-    args = bench_parser(__doc__, steps=8).parse_args()
+    ap = bench_parser(__doc__, steps=8)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then print each side's N top ops by self CPU time (torch.profiler)")
+    args = ap.parse_args()
 
     import diffusers
     from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel, LTX2LatentUpsamplePipeline
@@ -94,6 +98,7 @@ def main() -> None:
     report(times, peaks, goal=0.9)
     print(f"  max |flowseam - diffusers|: frames {np.abs(ours[0] - theirs[0]).max():.2e}, "
           f"waveform {np.abs(ours[1] - theirs[1]).max():.2e}")
+    profile({"flowseam": run_flowseam, "diffusers": run_diffusers}, args.profile)
 
 
 if __name__ == "__main__":

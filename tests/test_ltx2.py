@@ -360,10 +360,16 @@ def test_every_step_runs_the_platforms_kernel_and_components_fall_back_visibly(c
         for proc in procs.values():
             proc._mode.attn = lambda q, k, v, attn_mask=None, scale=None: \
                 seen.append(q.shape) or attention(q, k, v, attn_mask, scale)
+        keys = []  # the text cross-attention's key projections
+        for block in model.dit.transformer_blocks:
+            for attn in (block.attn2, block.audio_attn2):
+                attn.to_k.register_forward_hook(lambda *_: keys.append(1))
         p = _params(num_steps=2, guidance_scale=1.0, audio_guidance_scale=1.0)
         result = flowseam.run_loop(model, flowseam.GenerationRequest(PROMPT, flowseam.TaskType.T2V, p),
                                    flowseam.ExecutionProfile.ROLLOUT)
         assert [r.index for r in result.records] == list(range(5))  # 2 base + 3 refine steps
+        # the prompt's keys once per stage (2 blocks x 2 text cross-attentions), not per step
+        assert len(keys) == 2 * 2 * 2
         assert {r.impl_id for r in result.records} == {step.impl_id}
         renoise = platform.kernels.get(flowseam.ops.FLOW_RENOISE)  # testdev has none: cpu's
         assert renoise.provenance.plugin == "cpu"

@@ -85,7 +85,9 @@ def run(model: "ModelInstance", request: GenerationRequest,
     total = len(timesteps) + (len(params.refine_sigmas) if params.stages == 2 else 0)
     solver = _Solver(model.platform, params, profile is ExecutionProfile.ROLLOUT, total,
                      _progress(progress, model, total), step_callback)
-    latents = solver.denoise(model, latents, sigmas, timesteps, cond, params, generators, first=0)
+    with model.reuse_text_kv():  # the prompt's cross-attention keys/values, once per stage
+        latents = solver.denoise(model, latents, sigmas, timesteps, cond, params, generators,
+                                 first=0)
     t_stage1 = t_upsampled = time.perf_counter()
 
     if params.stages == 2:
@@ -101,8 +103,9 @@ def run(model: "ModelInstance", request: GenerationRequest,
         latents = model.renoise(latents, params.refine_sigmas[0], generators, cond, solver.renoise)
         check_step(model, "renoise", solver.renoise, upsampled, None, latents, 0.0,
                    params.refine_sigmas[0])
-        latents = solver.denoise(model, latents, sigmas2, timesteps2, cond, params, generators,
-                                 first=len(timesteps))
+        with model.reuse_text_kv():
+            latents = solver.denoise(model, latents, sigmas2, timesteps2, cond, params,
+                                     generators, first=len(timesteps))
     solver.close()
     t_denoised = time.perf_counter()
 
