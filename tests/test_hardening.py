@@ -567,6 +567,23 @@ def test_sigterm_while_writing_leaves_no_temporary_file(ckpts, tmp_path):
             assert reader.count_frames() == 17
 
 
+def test_a_streamed_output_creates_its_temporary_file_inside_with(tmp_path):
+    """generate --stream: the writer creates nothing before its first frames (so no signal
+    between building it and entering ``with`` can leave a file behind); a failure after them
+    removes the temporary file and writes nothing at the output path."""
+    from flowseam.media import StreamingVideoWriter
+
+    out = tmp_path / "stream.mp4"
+    writer = StreamingVideoWriter(out, fps=8)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="stopped"):
+        with writer:
+            writer.write(np.zeros((2, 16, 16, 3), np.float32))
+            assert writer.tmp is not None and writer.tmp.exists()
+            raise RuntimeError("stopped")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_missing_hub_like_name_says_what_was_tried(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)

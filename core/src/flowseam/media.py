@@ -332,9 +332,9 @@ class StreamingVideoWriter:
                              "plays while it is written)")
         self.fps = check_fps(fps)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.", suffix=".mp4", dir=self.path.parent)
-        os.close(fd)
-        self.tmp = Path(tmp)
+        #: the temporary file, created with the first frames (inside ``with``, so that any
+        #: failure or signal from then on removes it)
+        self.tmp: Path | None = None
         self.process = None
         self.frames = 0
 
@@ -343,6 +343,11 @@ class StreamingVideoWriter:
 
         import imageio_ffmpeg
 
+        with deferred_signals():  # created and recorded together (abort() removes it)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}.", suffix=".mp4",
+                                       dir=self.path.parent)
+            os.close(fd)
+            self.tmp = Path(tmp)
         even = height % 2 == 0 and width % 2 == 0
         cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error",
                "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}",
@@ -403,8 +408,9 @@ class StreamingVideoWriter:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.tmp)
+        if self.tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
 
     def __enter__(self) -> "StreamingVideoWriter":
         return self
