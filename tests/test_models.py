@@ -178,28 +178,34 @@ def test_text_embeddings_are_cached_per_weights_version(models):
         handle.remove()
 
 
-def test_text_only_dit_values_are_computed_once_per_loop_run(models, monkeypatch):
-    """Wan's text embedder and cross-attention keys/values run at the first step only (the
-    output equals diffusers', which recomputes them every step: test_parity_with_diffusers);
-    a trainer's recompute with gradients runs them again."""
-    model = models["wan2.1-t2v"]
-    watched = {id(m) for name, m in model.dit.named_modules()
-               if name.endswith(("text_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k"))}
-    assert len(watched) == 1 + 3 * len(model.dit.blocks)
+@pytest.mark.parametrize("card,text_only", [
+    ("wan2.1-t2v", ("text_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k")),
+    ("wan2.1-i2v", ("text_embedder", "image_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k",
+                    "attn2.add_k_proj", "attn2.add_v_proj", "attn2.norm_added_k")),
+])
+def test_text_only_dit_values_are_computed_once_per_loop_run(models, monkeypatch, card, text_only):
+    """Wan's text (and image) embedders and cross-attention keys/values run at the first step
+    only — the output equals diffusers', which recomputes them every step
+    (test_parity_with_diffusers); a trainer's recompute with gradients runs them again."""
+    model = models[card]
+    watched = {id(m) for name, m in model.dit.named_modules() if name.endswith(text_only)}
+    embedders = sum(name.endswith("embedder") for name in text_only)  # once; the rest per block
+    assert len(watched) == embedders + (len(text_only) - embedders) * len(model.dit.blocks)
     runs = []
-    for cls in (torch.nn.Linear, torch.nn.RMSNorm, type(model.dit.condition_embedder.text_embedder)):
+    for cls in {type(model.dit.get_submodule(n)) for n, m in model.dit.named_modules()
+                if id(m) in watched}:
         forward = cls.forward
         monkeypatch.setattr(cls, "forward", lambda self, x, _f=forward: runs.append(id(self))
                             or _f(self, x))
     p = DiffusionParams(num_steps=3, height=32, width=32, num_frames=5, guidance_scale=5.0,
                         negative_prompt="blurry")
-    result = model.generate("a red ball", params=p)
-    once = sum(r in watched for r in runs)
-    assert once == len(watched)  # 3 steps, every text-only module ran once
+    image = _image() if card.endswith("i2v") else None
+    result = model.generate("a red ball", image=image, params=p)
+    assert sorted(r for r in runs if r in watched) == sorted(watched)  # once each, not 3 times
     runs.clear()
     with torch.enable_grad():
         model.velocity(result.latents, torch.full((1,), 500.0), result.cond, result.params)
-    assert sum(r in watched for r in runs) == len(watched)
+    assert sorted(r for r in runs if r in watched) == sorted(watched)
 
 
 def test_load_errors_name_the_file(checkpoints, tmp_path, cpu, monkeypatch):

@@ -57,10 +57,11 @@ def clean_prompt(text: str) -> str:
 class WanT2V(ModelInstance):
     """Wan2.1 text-to-video. Latents ``(B, 16, (F - 1) // 4 + 1, H / 8, W / 8)`` float32."""
 
-    #: the text embedder and each block's cross-attention keys and values depend on the text
-    #: alone: computed at the first step of a loop run, reused at the others
-    STEP_CONSTANTS = ("condition_embedder.text_embedder", "attn2.to_k", "attn2.to_v",
-                      "attn2.norm_k")
+    #: the text (and I2V image) embedders and each block's cross-attention keys and values
+    #: depend on the conditioning alone: computed at the first step of a loop run, reused after
+    STEP_CONSTANTS = ("condition_embedder.text_embedder", "condition_embedder.image_embedder",
+                      "attn2.to_k", "attn2.to_v", "attn2.norm_k", "attn2.add_k_proj",
+                      "attn2.add_v_proj", "attn2.norm_added_k")
 
     # -- 1. check -------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
