@@ -100,10 +100,17 @@ def test_components_are_built_through_the_seam_and_attention_is_routed(models, c
     procs = model.dit.attn_processors
     assert procs and all(isinstance(p, RoutedAttnProcessor) for p in procs.values())
     before = sum(p._mode.calls for p in procs.values())
-    model.generate("x", params=DiffusionParams(num_steps=1, height=32, width=32, num_frames=5,
-                                               guidance_scale=1.0))
+    params = DiffusionParams(num_steps=1, height=32, width=32, num_frames=5, guidance_scale=1.0)
+    result = model.generate("x", params=params)
     # 1 step, 2 blocks x (self + cross) attention, no CFG
     assert sum(p._mode.calls for p in procs.values()) - before == 4
+    # the cpu backend's Wan VAE convolves with oneDNN, never torch's slow im2col kernels
+    # (flowseam_cpu.wan_vae; equal to diffusers' VAE: test_parity_with_diffusers)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model.decode(result.latents, result.params)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::mkldnn_convolution" in ops
+    assert not {"aten::slow_conv3d_forward", "aten::_slow_conv2d_forward"} & ops
 
 
 def test_attention_kernel_of_the_platform_is_what_runs(checkpoints, fixture_plugins_dir):
@@ -169,6 +176,36 @@ def test_text_embeddings_are_cached_per_weights_version(models):
         assert len(calls) == 2
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("card,text_only", [
+    ("wan2.1-t2v", ("text_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k")),
+    ("wan2.1-i2v", ("text_embedder", "image_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k",
+                    "attn2.add_k_proj", "attn2.add_v_proj", "attn2.norm_added_k")),
+])
+def test_text_only_dit_values_are_computed_once_per_loop_run(models, monkeypatch, card, text_only):
+    """Wan's text (and image) embedders and cross-attention keys/values run at the first step
+    only — the output equals diffusers', which recomputes them every step
+    (test_parity_with_diffusers); a trainer's recompute with gradients runs them again."""
+    model = models[card]
+    watched = {id(m) for name, m in model.dit.named_modules() if name.endswith(text_only)}
+    embedders = sum(name.endswith("embedder") for name in text_only)  # once; the rest per block
+    assert len(watched) == embedders + (len(text_only) - embedders) * len(model.dit.blocks)
+    runs = []
+    for cls in {type(model.dit.get_submodule(n)) for n, m in model.dit.named_modules()
+                if id(m) in watched}:
+        forward = cls.forward
+        monkeypatch.setattr(cls, "forward", lambda self, x, _f=forward: runs.append(id(self))
+                            or _f(self, x))
+    p = DiffusionParams(num_steps=3, height=32, width=32, num_frames=5, guidance_scale=5.0,
+                        negative_prompt="blurry")
+    image = _image() if card.endswith("i2v") else None
+    result = model.generate("a red ball", image=image, params=p)
+    assert sorted(r for r in runs if r in watched) == sorted(watched)  # once each, not 3 times
+    runs.clear()
+    with torch.enable_grad():
+        model.velocity(result.latents, torch.full((1,), 500.0), result.cond, result.params)
+    assert sorted(r for r in runs if r in watched) == sorted(watched)
 
 
 def test_load_errors_name_the_file(checkpoints, tmp_path, cpu, monkeypatch):

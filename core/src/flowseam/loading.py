@@ -169,6 +169,7 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
     instance.unused_components = unused
     instance.serve_defaults = serve_defaults
     instance.route_attention()
+    instance.install_step_constants()
     if not quiet:
         experts = f" (experts {', '.join(instance.experts)}, boundary timestep " \
                   f"{instance.boundary_timestep:g})" if instance.boundary_timestep is not None else ""

@@ -20,6 +20,7 @@ import torch
 
 from ..faults import check_finite, check_velocity, component_faults
 from ..request import GenerationRequest
+from ..step_constants import reuse_across_steps
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 from .solvers import SolverSteps
 from .step_cache import StepCache, check_cache
@@ -82,7 +83,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     if progress:
         from tqdm.auto import tqdm
         steps = tqdm(steps, desc=f"{model.card.name} denoise", unit="step", leave=False)
-    with torch.no_grad():
+    with torch.no_grad(), reuse_across_steps():  # text-only values once per run (step_constants)
         for i in steps:
             t = schedule.timesteps[i].expand(latents.shape[0])
             expert = model.expert_at(schedule.timesteps[i])

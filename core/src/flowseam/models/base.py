@@ -122,6 +122,10 @@ class Conditioning:
     prompt_embeds: torch.Tensor
     negative_embeds: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the text of a CFG batch per tuple of branches, concatenated once per condition, so every
+    #: step hands the DiT the same tensor (:mod:`flowseam.step_constants`)
+    batched_text: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False,
+                                                              compare=False)
 
 
 class ModelInstance:
@@ -367,6 +371,18 @@ class ModelInstance:
 
     def read_index(self, index: dict[str, Any], source: str = "model_index.json") -> None:
         """Take card-specific settings from ``model_index.json`` (none here)."""
+
+    #: suffixes of the qualified names of the DiT submodules that compute from the text alone;
+    #: inside a loop run they reuse their outputs across steps (:mod:`flowseam.step_constants`)
+    STEP_CONSTANTS: ClassVar[tuple[str, ...]] = ()
+
+    def install_step_constants(self) -> None:
+        """Let every DiT expert's :attr:`STEP_CONSTANTS` reuse their outputs across the steps of
+        a loop run (:func:`flowseam.step_constants.install`)."""
+        from ..step_constants import install
+
+        for expert in self.experts.values():
+            install(expert, self.STEP_CONSTANTS)
 
     def route_attention(self) -> None:
         """Send every attention call of every DiT expert through the platform's ``attention`` op

@@ -57,6 +57,12 @@ def clean_prompt(text: str) -> str:
 class WanT2V(ModelInstance):
     """Wan2.1 text-to-video. Latents ``(B, 16, (F - 1) // 4 + 1, H / 8, W / 8)`` float32."""
 
+    #: the text (and I2V image) embedders and each block's cross-attention keys and values
+    #: depend on the conditioning alone: computed at the first step of a loop run, reused after
+    STEP_CONSTANTS = ("condition_embedder.text_embedder", "condition_embedder.image_embedder",
+                      "attn2.to_k", "attn2.to_v", "attn2.norm_k", "attn2.add_k_proj",
+                      "attn2.add_v_proj", "attn2.norm_added_k")
+
     # -- 1. check -------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
         params = request.params.with_defaults(self.defaults)
@@ -163,8 +169,14 @@ class WanT2V(ModelInstance):
                         return_dict=False, **extra)[0]]
         text = (cond.negative_embeds, cond.prompt_embeds)
         n = len(branches)
+        key = tuple(branches)
+        batched_text = cond.batched_text.get(key)
+        if batched_text is None or torch.is_grad_enabled():  # grad: a trainer's recompute
+            batched_text = torch.cat([text[b] for b in branches])
+            if not torch.is_grad_enabled():  # once per condition: the same tensor every step
+                cond.batched_text[key] = batched_text  # (flowseam.step_constants)
         out = dit(hidden_states=torch.cat([x] * n), timestep=torch.cat([timestep] * n),
-                  encoder_hidden_states=torch.cat([text[b] for b in branches]),
+                  encoder_hidden_states=batched_text,
                   return_dict=False, **{k: torch.cat([v] * n) for k, v in extra.items()})[0]
         return list(out.chunk(n))
 

@@ -7,6 +7,8 @@ from flowseam import Availability, BackendInfo, ComponentSpec, KernelRegistratio
 from flowseam.components import instantiate
 from flowseam.ops import eager as kernels  # the eager-torch implementation of every op contract
 
+from .wan_vae import speed_up_wan_vae
+
 
 @hookimpl
 def flowseam_backend() -> BackendInfo:
@@ -42,5 +44,7 @@ def flowseam_component_kinds() -> tuple[str, ...]:
 
 @hookimpl
 def flowseam_build_component(kind: str, spec: ComponentSpec, device: str):
-    """Every kind, with its real class, in float32 on the CPU."""
-    return instantiate(spec, device="cpu", dtype=torch.float32)
+    """Every kind, with its real class, in float32 on the CPU; a Wan VAE with its convolutions
+    on oneDNN and its RMS norms as sums of squares (:mod:`flowseam_cpu.wan_vae`)."""
+    built = instantiate(spec, device="cpu", dtype=torch.float32)
+    return speed_up_wan_vae(built) if kind == "vae" else built
