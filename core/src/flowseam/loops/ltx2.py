@@ -35,6 +35,7 @@ from .. import ops
 from ..faults import check_finite, check_step, check_velocity, component_faults
 from ..noise import noise_like
 from ..request import DiffusionParams, GenerationRequest
+from ..step_constants import reuse_across_steps
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,9 +86,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     total = len(timesteps) + (len(params.refine_sigmas) if params.stages == 2 else 0)
     solver = _Solver(model.platform, params, profile is ExecutionProfile.ROLLOUT, total,
                      _progress(progress, model, total), step_callback)
-    with model.reuse_text_kv():  # the prompt's cross-attention keys/values, once per stage
-        latents = solver.denoise(model, latents, sigmas, timesteps, cond, params, generators,
-                                 first=0)
+    latents = solver.denoise(model, latents, sigmas, timesteps, cond, params, generators, first=0)
     t_stage1 = t_upsampled = time.perf_counter()
 
     if params.stages == 2:
@@ -103,9 +102,8 @@ def run(model: "ModelInstance", request: GenerationRequest,
         latents = model.renoise(latents, params.refine_sigmas[0], generators, cond, solver.renoise)
         check_step(model, "renoise", solver.renoise, upsampled, None, latents, 0.0,
                    params.refine_sigmas[0])
-        with model.reuse_text_kv():
-            latents = solver.denoise(model, latents, sigmas2, timesteps2, cond, params,
-                                     generators, first=len(timesteps))
+        latents = solver.denoise(model, latents, sigmas2, timesteps2, cond, params, generators,
+                                 first=len(timesteps))
     solver.close()
     t_denoised = time.perf_counter()
 
@@ -175,7 +173,8 @@ class _Solver:
         """One stage: ``len(timesteps)`` steps from ``sigmas[0]`` to ``sigmas[-1]``; step ``i`` of
         the stage is step ``first + i`` of the run (records, ``sde_window``, the callback)."""
         sigma_max = sigmas[1] if len(sigmas) > 2 else None
-        with torch.no_grad():
+        # what the DiT computes from the text alone runs at the stage's first step only
+        with torch.no_grad(), reuse_across_steps():
             for i in range(len(timesteps)):
                 index, sigma, sigma_next = first + i, sigmas[i], sigmas[i + 1]
                 t = timesteps[i].expand(latents.shape[0])

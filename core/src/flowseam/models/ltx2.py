@@ -54,7 +54,6 @@ frame, which is kept clean: its tokens get timestep 0 and are never stepped nor 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -113,105 +112,14 @@ class StageLayout:
         return self.video_numel + math.prod(self.audio)
 
 
-class TextKV:
-    """The prompt's keys and values of LTX-2's text cross-attention layers (``attn2``,
-    ``audio_attn2``), kept while one stage runs: within a stage the DiT's text input (the
-    connectors' embeddings, CFG-batched) is the same at every step and LTX-2.0's text
-    cross-attention does not modulate it by the timestep, so ``norm_k(to_k(text))``,
-    ``to_v(text)`` and the prepared text mask are computed at the stage's first step and reused
-    at the next ones (profiled on ``bench/ltx2_vs_diffusers.py``: with 1024 text tokens they were
-    about a tenth of the DiT's time). Same operations on the same inputs, so the output is the
-    same (the parity tests against diffusers hold). diffusers 0.42.1's own
-    ``hooks.apply_text_kv_cache`` serves only NucleusMoE-Image's blocks (its processor takes the
-    cached keys), so LTX-2's are kept here.
-
-    ``entries`` is None outside :meth:`LTX2T2V.reuse_text_kv`; inside, ``attention module →
-    (text shape, key, value, mask)``. Memory: one key and value per text cross-attention layer,
-    ``2 x (CFG batch, text tokens, inner dim)`` in the DiT's dtype, freed when the stage ends.
-    """
-
-    def __init__(self) -> None:
-        self.entries: dict | None = None
-
-
-class TextKVProcessor:
-    """LTX-2's stock attention processor (``LTX2AudioVideoAttnProcessor``) for a text
-    cross-attention layer, taking the keys and values from :class:`TextKV` while a stage runs.
-
-    The query path, the attention call (diffusers' ``dispatch_attention_fn``, so the platform's
-    ``attention`` op still gets it when routed) and the output projection follow the stock
-    processor; everything else — no stage running, gradients enabled (a log-prob recomputation),
-    rotary embeddings, LTX-2.3's gated attention — runs the stock processor unchanged.
-    """
-
-    _attention_backend = None  # set by diffusers' set_attention_backend, as on the stock one
-    _parallel_config = None
-
-    def __init__(self, inner: Any, kv: TextKV) -> None:
-        self.inner, self.kv = inner, kv
-
-    def __call__(self, attn: Any, hidden_states: torch.Tensor,
-                 encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None,
-                 query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        entries = self.kv.entries
-        if (entries is None or encoder_hidden_states is None or query_rotary_emb is not None
-                or attn.to_gate_logits is not None or torch.is_grad_enabled()):
-            return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask,
-                              query_rotary_emb, key_rotary_emb)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-        text = encoder_hidden_states
-        entry = entries.get(attn)
-        if entry is None or entry[0] != text.shape:
-            batch, length = text.shape[:2]
-            mask = attention_mask
-            if mask is not None:
-                mask = attn.prepare_attention_mask(mask, length, batch)
-                mask = mask.view(batch, attn.heads, -1, mask.shape[-1])
-            key = attn.norm_k(attn.to_k(text)).unflatten(2, (attn.heads, -1))
-            value = attn.to_v(text).unflatten(2, (attn.heads, -1))
-            entry = entries[attn] = (text.shape, key, value, mask)
-        _, key, value, mask = entry
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0,
-                                    is_causal=False, backend=self._attention_backend,
-                                    parallel_config=self._parallel_config)
-        out = out.flatten(2, 3).to(query.dtype)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
 class LTX2T2V(ModelInstance):
     """LTX-2 text-to-video with audio. See the module docstring for the state layout."""
 
-    def route_attention(self) -> None:
-        """The text cross-attention layers of diffusers' LTX-2 DiT first get a
-        :class:`TextKVProcessor` (not LTX-2.3's timestep-modulated prompt, nor a backend's own
-        DiT class); then every attention call is routed to the platform's ``attention`` op, as
-        for every card."""
-        from diffusers import LTX2VideoTransformer3DModel
-        from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnProcessor
-
-        self.text_kv = TextKV()
-        dit = self.dit
-        if isinstance(dit, LTX2VideoTransformer3DModel) and not dit.prompt_modulation:
-            for block in dit.transformer_blocks:
-                for attn in (block.attn2, block.audio_attn2):
-                    if type(attn.processor) is LTX2AudioVideoAttnProcessor:
-                        attn.set_processor(TextKVProcessor(attn.processor, self.text_kv))
-        super().route_attention()
-
-    @contextlib.contextmanager
-    def reuse_text_kv(self):
-        """While one stage runs (the ``ltx2`` loop enters this per stage): the text
-        cross-attention's keys and values are computed at the first step and reused
-        (:class:`TextKV`); they are dropped when the block ends."""
-        self.text_kv.entries = {}
-        try:
-            yield
-        finally:
-            self.text_kv.entries = None
+    #: what LTX-2.0's DiT computes from the text alone (the caption projections, the text
+    #: cross-attention's keys and values, for video and audio): reused across the steps of a
+    #: stage (:mod:`flowseam.step_constants`); LTX-2.3's timestep-modulated prompt makes
+    #: different inputs at each step, which then simply run again
+    STEP_CONSTANTS = ("caption_projection", "attn2.to_k", "attn2.to_v", "attn2.norm_k")
 
     # -- shapes -----------------------------------------------------------------------------------
     @property
