@@ -101,3 +101,52 @@ def _clean_flowseam_env(monkeypatch):
         if k.startswith("FLOWSEAM_") and k != "FLOWSEAM_DISABLE_PLUGINS":
             monkeypatch.delenv(k)
     yield
+
+
+def run_main(*args: str, path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """``flowseam ARGS`` in this process: :func:`flowseam.cli.main` (the code behind the console
+    script and ``python -m flowseam``), with ``path`` on sys.path, ``env`` set and the plugins
+    rediscovered as :func:`run_cli` gets them, at no interpreter start and torch import.
+
+    What a process would print comes back as it would: stdout and stderr (warnings formatted
+    onto stderr as the interpreter prints them), the exit status of ``main`` or of a
+    ``SystemExit`` (argparse's errors, ``--help``), and an uncaught exception as a traceback on
+    stderr with status 1. The global state the command sets (notices, diffusers'/transformers'
+    verbosity and bars, torch's thread count) is restored afterwards. Use :func:`run_cli` where
+    the process itself is what is tested (its exit, a closed pipe, the console script)."""
+    import io
+    import traceback
+    import warnings
+
+    import diffusers
+    import torch
+    import transformers
+
+    from flowseam import cli, console
+
+    out, err = io.StringIO(), io.StringIO()
+    libs = (diffusers.utils.logging, transformers.utils.logging)
+    saved = ([(lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs],
+             console.notices_enabled(), torch.get_num_threads())
+    try:
+        with plugin_env(path, **env), warnings.catch_warnings(record=True) as caught, \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            warnings.simplefilter("default")
+            try:
+                status = cli.main(list(args))
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+            except Exception:
+                traceback.print_exc()
+                status = 1
+        for w in caught:
+            err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
+    finally:
+        for lib, (level, bars) in zip(libs, saved[0]):
+            lib.set_verbosity(level)
+            (lib.enable_progress_bar if bars else lib.disable_progress_bar)()
+        console.enable_notices(saved[1])
+        torch.set_num_threads(saved[2])
+    return subprocess.CompletedProcess(["flowseam", *args], status, out.getvalue(), err.getvalue())

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 import flowseam
 from flowseam import DiffusionParams, FlowseamError
 from flowseam.adapters import LoraSpec, normalize_lora
-from conftest import run_cli
+from conftest import run_main
 from test_checkpoint_parity import CALLS, TOL, _diff, _image, ours
 from test_checkpoint_parity import checkpoints, cpu  # noqa: F401  (the fixtures, shared)
 
@@ -130,7 +130,6 @@ def _specs(sets) -> tuple[LoraSpec, ...]:
                  for f, w, kw in sets)
 
 
-@pytest.mark.backends
 @pytest.mark.parametrize("name", ["wan-t2v", "wan-i2v", "flux", "wan22-t2v"])
 def test_lora_set_equals_diffusers_load_lora_weights_and_set_adapters(checkpoints, loras, cpu, name):
     """Two adapters with weights (Wan2.1 T2V, FLUX.1; a T2V LoRA on Wan2.1 I2V, which diffusers
@@ -173,7 +172,6 @@ def _comfyui_file(dit_folder: Path, path: Path, rank: int, alpha: float, seed: i
     return peft
 
 
-@pytest.mark.backends
 def test_comfyui_kohya_layout_loads_as_the_scaled_peft_lora(checkpoints, tmp_path, cpu):
     """A ComfyUI-layout Wan LoRA with kohya alpha (alpha 2, rank 4: scale 0.5) gives what the
     same weights in peft keys with lora_B scaled by 0.5 by hand give, and what diffusers gives."""
@@ -192,7 +190,6 @@ def test_comfyui_kohya_layout_loads_as_the_scaled_peft_lora(checkpoints, tmp_pat
 
 # -- switching, hot-swap, fuse, delete -------------------------------------------------------------
 
-@pytest.mark.backends
 def test_switching_per_request_reads_each_file_once(checkpoints, loras, cpu, tmp_path):
     """A, B, none, A again on one model: each file is read once (they are deleted after the first
     requests and the switch still works), A twice gives the same frames, none gives the base."""
@@ -212,7 +209,6 @@ def test_switching_per_request_reads_each_file_once(checkpoints, loras, cpu, tmp
     assert len(model.adapters.loaded) == 2
 
 
-@pytest.mark.backends
 def test_hotswap_slot_gives_the_named_adapters_output(checkpoints, loras, cpu):
     """The compiled-DiT mode (one padded slot, sets written in place) forced on the cpu: the same
     frames as diffusers' set_adapters, the base model exactly for an empty set, one slot build
@@ -233,7 +229,6 @@ def test_hotswap_slot_gives_the_named_adapters_output(checkpoints, loras, cpu):
     assert model.adapters.slot_builds == 1
 
 
-@pytest.mark.backends
 def test_fuse_then_unfuse_restores_the_base_weights_exactly(checkpoints, loras, cpu):
     path = checkpoints.base("wan-t2v")
     sets = _sets("wan-t2v", path, loras)
@@ -254,7 +249,6 @@ def test_fuse_then_unfuse_restores_the_base_weights_exactly(checkpoints, loras, 
     assert np.array_equal(generate(model, "wan-t2v"), ours(path, "wan-t2v", cpu).frames)
 
 
-@pytest.mark.backends
 def test_disable_and_delete(checkpoints, loras, cpu):
     path = checkpoints.base("wan-t2v")
     (a, _, _), (b, _, _) = _sets("wan-t2v", path, loras)
@@ -273,7 +267,6 @@ def test_disable_and_delete(checkpoints, loras, cpu):
 
 # -- bad input ---------------------------------------------------------------------------------
 
-@pytest.mark.backends
 def test_a_lora_that_does_not_match_the_model_is_refused_naming_its_keys(checkpoints, loras, cpu, tmp_path):
     wan = checkpoints.base("wan-t2v")
     flux_lora = loras.peft(checkpoints.base("flux"), "style", 4, 1, pipeline=diffusers.FluxPipeline,
@@ -321,7 +314,6 @@ def test_lora_specs_parse_and_stay_hashable():
 
 # -- the command line ---------------------------------------------------------------------------
 
-@pytest.mark.backends
 @pytest.mark.slow
 def test_generate_cli_lora_flag(checkpoints, loras, tmp_path):
     path = checkpoints.base("wan-t2v")
@@ -329,11 +321,11 @@ def test_generate_cli_lora_flag(checkpoints, loras, tmp_path):
     common = ["generate", "--model", str(path), "--prompt", "dance monkey", "--steps", "2",
               "--height", "16", "--width", "32", "--frames", "5", "--backend", "cpu"]
     out = tmp_path / "v.mp4"
-    r = run_cli(*common, "--lora", f"{a}:0.7", "--lora", f"{b}:0.4", "--output", str(out))
+    r = run_main(*common, "--lora", f"{a}:0.7", "--lora", f"{b}:0.4", "--output", str(out))
     assert r.returncode == 0, r.stderr
     assert out.is_file() and "lora: style.safetensors x0.7, detail.safetensors x0.4" in r.stdout
-    r = run_cli(*common, "--lora", f"{tmp_path / 'nope.safetensors'}:0.5", "--output",
-                str(tmp_path / "bad.mp4"))  # refused before the model loads (parsing: above)
+    r = run_main(*common, "--lora", f"{tmp_path / 'nope.safetensors'}:0.5", "--output",
+                 str(tmp_path / "bad.mp4"))  # refused before the model loads (parsing: above)
     assert r.returncode == 2 and "nope.safetensors does not exist" in r.stderr, r.stderr
     assert not (tmp_path / "bad.mp4").exists()
 
@@ -380,7 +372,6 @@ def test_switching_adapters_on_accel_never_recompiles(checkpoints, loras, cpu):
 
 # -- a LoRA trained by RL, served with --lora and by diffusers -------------------------------------
 
-@pytest.mark.backends
 def test_a_flowgrpo_lora_file_loads_with_lora_and_in_diffusers_alike(cpu, tmp_path):
     """flowgrpo trains a rank-4 LoRA (alpha 8: scale 2, carried in the file's metadata) for two
     steps and its run ends by writing ``<output_dir>/pytorch_lora_weights.safetensors``; a fresh

@@ -290,7 +290,6 @@ def outputs() -> dict:
     return {}
 
 
-@pytest.mark.backends
 @pytest.mark.parametrize("name,variant,scheduler,request_changes", CASES,
                          ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_default_call_equals_diffusers(checkpoints, cpu, outputs, name, variant, scheduler,
@@ -314,7 +313,6 @@ def test_default_call_equals_diffusers(checkpoints, cpu, outputs, name, variant,
             f"{name}: {variant} and {other} give the same output; the parity proves nothing"
 
 
-@pytest.mark.backends
 @pytest.mark.parametrize("name,guidance", [("wan-t2v", 1.0), ("wan-i2v", 6.0), ("flux", 5.0),
                                            ("wan22-t2v", 6.0), ("wan22-i2v", 6.0)])
 def test_text_conditioning_is_strong_enough_to_prove_parity(checkpoints, cpu, name, guidance):
@@ -328,7 +326,6 @@ def test_text_conditioning_is_strong_enough_to_prove_parity(checkpoints, cpu, na
         f"{name}: the prompt moves the output by only {_diff(a, b):.2g} < {PROMPT_EFFECT}"
 
 
-@pytest.mark.backends
 def test_unipc_orders_1_to_3_match_diffusers_and_differ(checkpoints, cpu):
     """UniPC at orders 1, 2 and 3 (6 steps, so order 3 runs twice) equals diffusers at each
     order, and the orders give different outputs (the solver's history is used)."""
@@ -342,7 +339,6 @@ def test_unipc_orders_1_to_3_match_diffusers_and_differ(checkpoints, cpu):
     assert _diff(runs[1], runs[2]) >= SETTING_EFFECT and _diff(runs[2], runs[3]) >= SETTING_EFFECT
 
 
-@pytest.mark.backends
 def test_wan22_switches_experts_at_the_boundary_as_diffusers_does(checkpoints, cpu):
     """Two experts, each built through the platform, switching where diffusers switches
     (``t >= boundary_ratio * 1000`` → transformer): the steps' experts are recorded, and the

@@ -133,24 +133,24 @@ def test_cli_names_the_solver_and_refuses_or_ignores_options(tmp_path):
     ``--ignore-scheduler-option`` runs it with a warning."""
     import json
 
-    from conftest import run_cli
+    from conftest import run_main
 
     ckpt = write_tiny_checkpoint("wan2.1-t2v", tmp_path / "wan",
                                  scheduler_class="UniPCMultistepScheduler")
     args = ("generate", "--model", str(ckpt), "--prompt", "a cat", "--steps", "2", "--frames",
             "5", "--height", "32", "--width", "32", "--backend", "cpu")
-    r = run_cli(*args, "--flow-shift", "5", "--output", str(tmp_path / "a.gif"))
+    r = run_main(*args, "--flow-shift", "5", "--output", str(tmp_path / "a.gif"))
     assert r.returncode == 0, r.stderr
     assert "flowseam: loaded wan2.1-t2v" in r.stderr and "flow_shift=3.0 (checkpoint)" in r.stderr
     assert "solver unipc_step [cpu:unipc_step:cpu:generic:" in r.stdout
     assert "flow_shift=5.0 (request)" in r.stdout
     config = ckpt / "scheduler" / "scheduler_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "thresholding": True}))
-    r = run_cli(*args, "--output", str(tmp_path / "b.gif"))
+    r = run_main(*args, "--output", str(tmp_path / "b.gif"))
     assert r.returncode == 2 and "thresholding=True" in r.stderr
     assert "--ignore-scheduler-option" in r.stderr and not (tmp_path / "b.gif").exists()
-    r = run_cli(*args, "--ignore-scheduler-option", "thresholding", "--output",
-                str(tmp_path / "b.gif"))
+    r = run_main(*args, "--ignore-scheduler-option", "thresholding", "--output",
+                 str(tmp_path / "b.gif"))
     assert r.returncode == 0, r.stderr
     assert "ignoring scheduler option(s) thresholding=True" in r.stderr
     assert "thresholding=True ignored" in r.stdout

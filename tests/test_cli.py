@@ -11,7 +11,7 @@ import sys
 from importlib import metadata
 
 import pytest
-from conftest import plugin_env, run_cli
+from conftest import plugin_env, run_cli, run_main
 
 import flowseam
 from flowseam.cli import build_parser
@@ -45,7 +45,7 @@ def test_help_has_no_rst_markup_and_names_every_command():
 
 @pytest.mark.backends
 def test_backends_table_fits_100_columns_with_rewards_in_their_own_column():
-    r = run_cli("backends")
+    r = run_main("backends")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     too_wide = [line for line in lines if len(line) > 100]
@@ -56,7 +56,7 @@ def test_backends_table_fits_100_columns_with_rewards_in_their_own_column():
     rewards_at = header.index("rewards")
     assert "brightness" in methods_row[rewards_at:] and "flowgrpo" in methods_row[:rewards_at]
     # the long form: every op at its arch rung, the implementation ids
-    long = run_cli("backends", "-v")
+    long = run_main("backends", "-v")
     assert long.returncode == 0, long.stderr
     assert re.search(r"\w+:flow_match_step:\w+:\S+:flowseam-\w+==", long.stdout)
     assert "flow_sde_step@generic" in long.stdout  # op@arch, as --json lists them
@@ -65,11 +65,11 @@ def test_backends_table_fits_100_columns_with_rewards_in_their_own_column():
 
 @pytest.mark.backends
 def test_backends_shows_the_platform_of_a_named_backend():
-    r = run_cli("backends", "--backend", "cpu")
+    r = run_main("backends", "--backend", "cpu")
     assert r.returncode == 0, r.stderr
     assert "Platform: backend 'cpu'" in r.stdout
     assert re.search(r"^cpu +flowseam-cpu +\S+ +active", r.stdout, flags=re.M)
-    bad = run_cli("backends", "--backend", "tpu9000")
+    bad = run_main("backends", "--backend", "tpu9000")
     assert bad.returncode == 2 and "unknown flowseam backend 'tpu9000'" in bad.stderr
     assert "Traceback" not in bad.stderr
 

@@ -22,7 +22,7 @@ import flowseam
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_main
 from flowseam import ComponentSpec, ops
 from flowseam.ops import reference
 
@@ -124,7 +124,7 @@ def test_reason_names_everything_missing(monkeypatch):
 
 @pytest.mark.backends
 def test_flowseam_backends_lists_it():
-    out = run_cli("backends", "--json")
+    out = run_main("backends", "--json")
     assert out.returncode == 0, out.stderr
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     if "cuda" not in rows:
@@ -139,7 +139,7 @@ def test_flowseam_backends_lists_it():
         assert row["status"] == "active"
     else:
         assert row["status"] == "unavailable" and row["reason"]
-        text = run_cli("backends")
+        text = run_main("backends")
         flat = " ".join(text.stdout.split())  # the table wraps a long reason at 100 columns
         assert "cuda" in text.stdout and f"reason: {row['reason']}" in flat
 

@@ -239,7 +239,7 @@ def test_informative_reward_beats_the_constant_reward_control(ckpt, cpu):
 
 @pytest.mark.slow
 def test_train_cli_runs_joint_multi_rl_and_refuses_a_bad_expert(ckpt, tmp_path):
-    from conftest import run_cli
+    from conftest import run_main
 
     cfg = tmp_path / "joint.toml"
     cfg.write_text(f'''model = "{ckpt}"
@@ -254,10 +254,10 @@ output_dir = "{tmp_path / 'run'}"
 [experts.transformer_2]
 lr = 5e-4
 ''')
-    done = run_cli("train", "--method", "joint_multi_rl", "--config", str(cfg))
+    done = run_main("train", "--method", "joint_multi_rl", "--config", str(cfg))
     assert done.returncode == 0, done.stderr
     (rec,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert rec["transformer_ratio_dev_first_epoch"] <= 1e-6 and rec["transformer_2_ratio_dev_first_epoch"] <= 1e-6
-    bad = run_cli("train", "--method", "joint_multi_rl", "--config", str(cfg),
-                  "--set", 'experts={"transformer_9": {}}')
+    bad = run_main("train", "--method", "joint_multi_rl", "--config", str(cfg),
+                   "--set", 'experts={"transformer_9": {}}')
     assert bad.returncode == 2 and "which the model does not have" in bad.stderr

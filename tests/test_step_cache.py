@@ -13,7 +13,7 @@ import torch
 import flowseam
 from flowseam import DiffusionParams, ExecutionProfile, GenerationRequest, TaskType
 from flowseam.loops.step_cache import CachePolicy, StepCache, normalize_cache
-from conftest import run_cli
+from conftest import run_main
 
 WEIGHTS = Path(flowseam.__file__).parent / "demo" / "weights"
 
@@ -103,7 +103,6 @@ def _tiny(card: str, tmp_path_factory) -> Path:
     return write_tiny_checkpoint(card, tmp_path_factory.mktemp(card) / card)
 
 
-@pytest.mark.backends
 def test_wan_cfg_runs_only_the_branches_it_computes(cpu, tmp_path_factory):
     """Wan T2V with CFG: threshold 0 gives the uncached frames bit for bit; with a cache, some DiT
     calls carry one branch (a batch of B instead of 2B), and the counts add up."""
@@ -127,7 +126,6 @@ def test_wan_cfg_runs_only_the_branches_it_computes(cpu, tmp_path_factory):
     assert c["branches_skipped"] > 0 and uncached.cache is None
 
 
-@pytest.mark.backends
 @pytest.mark.parametrize("kind", ["t2i", "i2v"])
 def test_trained_digit_models_keep_their_output_while_skipping_steps(cpu, kind):
     """On trained weights (the demo's FLUX.1 and Wan I2V digit models, 30 steps) the extrapolate
@@ -150,7 +148,6 @@ def test_trained_digit_models_keep_their_output_while_skipping_steps(cpu, kind):
     assert 0 < psnr(more.frames, uncached) < np.inf  # skipping changed the output
 
 
-@pytest.mark.backends
 def test_rollouts_refuse_a_cache_unless_asked_and_then_say_so(cpu, tmp_path_factory):
     model = flowseam.load(_tiny("flux.1-t2i", tmp_path_factory), platform=cpu, quiet=True)
     params = DiffusionParams(num_steps=8, height=32, width=32, max_sequence_length=16)
@@ -167,7 +164,6 @@ def test_rollouts_refuse_a_cache_unless_asked_and_then_say_so(cpu, tmp_path_fact
     assert np.array_equal(served.frames, result.frames)  # capture changes nothing
 
 
-@pytest.mark.backends
 def test_causal_and_ltx2_cards_refuse_what_their_loops_do_not_apply(cpu, tmp_path_factory):
     """The causal card refuses a cache policy; LTX-2 refuses a cache policy and a LoRA set
     (its loop applies neither), before any model runs."""
@@ -181,19 +177,18 @@ def test_causal_and_ltx2_cards_refuse_what_their_loops_do_not_apply(cpu, tmp_pat
             ltx.generate("x", params=DiffusionParams(**bad))
 
 
-@pytest.mark.backends
 @pytest.mark.slow
 def test_generate_cli_reports_computed_and_skipped_steps(tmp_path):
     out = tmp_path / "three.png"
     common = ["generate", "--model", str(WEIGHTS / "digits-t2i"), "--prompt",
               "a handwritten digit three", "--steps", "20", "--height", "32", "--width", "32",
               "--backend", "cpu"]
-    r = run_cli(*common, "--cache", "extrapolate:0.2", "--output", str(out))
+    r = run_main(*common, "--cache", "extrapolate:0.2", "--output", str(out))
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip().splitlines()[-1]
     assert out.is_file() and "cache extrapolate:0.2: " in line and " steps computed, " in line
     computed, skipped = (int(line.split("cache extrapolate:0.2: ")[1].split(" ")[i]) for i in (0, 3))
     assert computed + skipped == 20 and skipped > 0
-    r = run_cli(*common, "--cache", "fast:1", "--output", str(tmp_path / "bad.png"))
+    r = run_main(*common, "--cache", "fast:1", "--output", str(tmp_path / "bad.png"))
     assert r.returncode == 2 and "cache='fast' is unknown" in r.stderr
     assert not (tmp_path / "bad.png").exists()
