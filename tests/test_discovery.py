@@ -7,7 +7,7 @@ import json
 from importlib import metadata
 
 import pytest
-from conftest import plugin_env, run_cli
+from conftest import plugin_env, run_main
 
 import flowseam
 from flowseam import PluginLoadError
@@ -105,8 +105,8 @@ def test_conflict_higher_priority_wins_regardless_of_name(fixture_plugins_dir):
 
 
 def test_backends_cli_json_and_strict(fixture_plugins_dir):
-    out = run_cli("backends", "--json", path=fixture_plugins_dir,
-                  FLOWSEAM_PLUGINS="cpu,broken_import,unavailable_dev")
+    out = run_main("backends", "--json", path=fixture_plugins_dir,
+                   FLOWSEAM_PLUGINS="cpu,broken_import,unavailable_dev")
     assert out.returncode == 0, out.stderr
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     for r in rows.values():
@@ -116,11 +116,11 @@ def test_backends_cli_json_and_strict(fixture_plugins_dir):
     assert rows["broken_import"]["status"] == "broken"
     assert rows["unavailable_dev"]["status"] == "unavailable"
     assert rows["testdev_a"]["status"] == "blocked"
-    strict = run_cli("backends", "--strict", path=fixture_plugins_dir,
-                     FLOWSEAM_PLUGINS="cpu,broken_import")
+    strict = run_main("backends", "--strict", path=fixture_plugins_dir,
+                      FLOWSEAM_PLUGINS="cpu,broken_import")
     assert strict.returncode != 0
     assert "broken_import" in strict.stdout + strict.stderr
-    ok = run_cli("backends", "--strict", FLOWSEAM_PLUGINS="cpu")
+    ok = run_main("backends", "--strict", FLOWSEAM_PLUGINS="cpu")
     assert ok.returncode == 0, ok.stderr
     assert "flow_sde_step" in ok.stdout and "cpu → " not in ok.stdout.splitlines()[0]
 
@@ -141,7 +141,7 @@ def test_misbehaving_hooks_mark_only_that_plugin_broken(fixture_plugins_dir):
                 assert "flowseam-fixture-misbehaving" in r[key].reason
                 assert "flowseam-fixture-unknown-hook" in r[key].reason
             assert flowseam.Platform.detect(registry=reg).name == "cpu"
-    out = run_cli("backends", "--json", path=fixture_plugins_dir, FLOWSEAM_PLUGINS=allow)
+    out = run_main("backends", "--json", path=fixture_plugins_dir, FLOWSEAM_PLUGINS=allow)
     assert out.returncode == 0, out.stderr
     assert {r["name"]: r["status"] for r in json.loads(out.stdout)}["arch_raises"] == "broken"
 

@@ -322,7 +322,7 @@ def test_finetune_lowers_the_flow_matching_loss_and_saves_a_loadable_checkpoint(
 
 @pytest.mark.slow
 def test_train_cli(ckpts, tmp_path):
-    from conftest import run_cli
+    from conftest import run_main
 
     cfg = tmp_path / "grpo.toml"
     cfg.write_text(f'''model = "{ckpts["flux.1-t2i"]}"
@@ -338,18 +338,18 @@ height = 32
 width = 32
 max_sequence_length = 16
 ''')
-    r = run_cli("train", "--method", "flowgrpo", "--config", str(cfg))
+    r = run_main("train", "--method", "flowgrpo", "--config", str(cfg))
     assert r.returncode == 0, r.stderr
     assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 2
     # the README's train → generate: the run's model is what generate takes
     assert f"model: {tmp_path / 'run' / 'model'}" in r.stdout
     image = tmp_path / "after.png"
-    g = run_cli("generate", "--model", str(tmp_path / "run" / "model"), "--prompt", "a ball",
-                "--steps", "2", "--height", "32", "--width", "32", "--max-sequence-length", "16",
-                "--backend", "cpu", "--output", str(image))
+    g = run_main("generate", "--model", str(tmp_path / "run" / "model"), "--prompt", "a ball",
+                 "--steps", "2", "--height", "32", "--width", "32", "--max-sequence-length", "16",
+                 "--backend", "cpu", "--output", str(image))
     assert g.returncode == 0, g.stderr
     assert image.is_file()
-    bad = run_cli("train", "--method", "nosuch", "--config", str(cfg))
+    bad = run_main("train", "--method", "nosuch", "--config", str(cfg))
     assert bad.returncode != 0 and "registered methods" in bad.stderr
 
 

@@ -293,7 +293,7 @@ def test_digit_requests_parse_and_the_held_out_split_is_disjoint():
 
 @pytest.mark.slow
 def test_train_cli_runs_unified_rl_and_refuses_a_bad_key(ckpts, tmp_path):
-    from conftest import run_cli
+    from conftest import run_main
 
     cfg = _config(ckpts, output_dir=str(tmp_path / "run"), steps=1, prompts_per_step=1, rewrites=2)
     lines = []
@@ -305,11 +305,11 @@ def test_train_cli_runs_unified_rl_and_refuses_a_bad_key(ckpts, tmp_path):
             lines.append(f"[{key}]")
             lines += [f"{k} = {json.dumps(v)}" for k, v in value.items()]
     (tmp_path / "u.toml").write_text("\n".join(lines) + "\n")
-    done = run_cli("train", "--method", "unified_rl", "--config", str(tmp_path / "u.toml"))
+    done = run_main("train", "--method", "unified_rl", "--config", str(tmp_path / "u.toml"))
     assert done.returncode == 0, done.stderr
     (rec,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert rec["lm_ratio_dev_first_epoch"] <= 1e-6 and rec["dit_ratio_dev_first_epoch"] <= 1e-6
     assert (tmp_path / "run" / "lm" / "config.json").is_file()
-    bad = run_cli("train", "--method", "unified_rl", "--config", str(tmp_path / "u.toml"),
-                  "--set", "rewrites=1")
+    bad = run_main("train", "--method", "unified_rl", "--config", str(tmp_path / "u.toml"),
+                   "--set", "rewrites=1")
     assert bad.returncode == 2 and "rewrites=1: Input should be greater than or equal to 2" in bad.stderr
