@@ -58,6 +58,16 @@ def plugin_env(path: Path | None = None, **env: str | None):
     """Put an install target on sys.path, set FLOWSEAM_* variables, rediscover; undo on exit."""
     import flowseam.plugins
 
+    with _path_and_env(path, **env):
+        yield flowseam.plugins.discover(refresh=True)
+
+
+@contextlib.contextmanager
+def _path_and_env(path: Path | None = None, **env: str | None):
+    """Put an install target on sys.path and set FLOWSEAM_* variables, with no plugins
+    discovered yet (the next :func:`flowseam.plugins.discover` finds them); undo on exit."""
+    import flowseam.plugins
+
     saved_env = {k: os.environ.get(k) for k in env}
     saved_path = list(sys.path)
     try:
@@ -68,7 +78,8 @@ def plugin_env(path: Path | None = None, **env: str | None):
                 os.environ[k] = v
         if path is not None:
             sys.path.insert(0, str(path))
-        yield flowseam.plugins.discover(refresh=True)
+        flowseam.plugins._CACHE = None
+        yield
     finally:
         sys.path[:] = saved_path
         for k, v in saved_env.items():
@@ -105,8 +116,9 @@ def _clean_flowseam_env(monkeypatch):
 
 def run_main(*args: str, path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """``flowseam ARGS`` in this process: :func:`flowseam.cli.main` (the code behind the console
-    script and ``python -m flowseam``), with ``path`` on sys.path, ``env`` set and the plugins
-    rediscovered as :func:`run_cli` gets them, at no interpreter start and torch import.
+    script and ``python -m flowseam``), with ``path`` on sys.path and ``env`` set as :func:`run_cli`
+    gets them, the plugins discovered afresh by the command itself (a discovery error is its
+    error), at no interpreter start and torch import.
 
     What a process would print comes back as it would: stdout and stderr (warnings formatted
     onto stderr as the interpreter prints them), the exit status of ``main`` or of a
@@ -129,7 +141,7 @@ def run_main(*args: str, path: Path | None = None, **env: str) -> subprocess.Com
     saved = ([(lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs],
              console.notices_enabled(), torch.get_num_threads())
     try:
-        with plugin_env(path, **env), warnings.catch_warnings(record=True) as caught, \
+        with _path_and_env(path, **env), warnings.catch_warnings(record=True) as caught, \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             warnings.simplefilter("default")
             try:

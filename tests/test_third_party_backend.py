@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, pip_install_target, plugin_env, run_cli
+from conftest import FIXTURES, pip_install_target, plugin_env, run_main
 
 import flowseam
 from flowseam import DiffusionParams, ops
@@ -56,7 +56,7 @@ def test_discovered_through_its_entry_point(vendor_dir):
             ("available", "flowseam-tinyvendor", "0.1.0", "tinyvendor")
         assert [(k.op, k.arch) for k in rec.kernels] == [(ops.FLOW_MATCH_STEP, "generic")]
         assert rec.component_kinds == ("vae",)
-    rows = {r["name"]: r for r in json.loads(run_cli("backends", "--json", path=vendor_dir).stdout)}
+    rows = {r["name"]: r for r in json.loads(run_main("backends", "--json", path=vendor_dir).stdout)}
     assert rows["tinyvendor"]["ops"] == ["flow_match_step@generic"]
     assert rows["tinyvendor"]["components"] == ["vae"]
     assert rows["tinyvendor_bad"]["ops"] == ["flow_sde_step@generic"]
