@@ -11,8 +11,10 @@ the pipeline's default 1024 text tokens. diffusers runs its documented two-stage
 ``latents``, ``audio_latents``, ``noise_scale`` and a scheduler without dynamic or terminal shift
 (STG, modality guidance and guidance rescale off, as flowseam has only CFG). After one warm-up run
 each, they alternate ``--repeats`` times (who goes first alternates too). Reports the median
-seconds of each, the ratio flowseam/diffusers (goal <= 0.9), the peak resident-memory growth of
-each run (sampled every 2 ms), and the max-abs difference of their frames and waveforms.
+wall and CPU seconds of each, the ratios flowseam/diffusers (goal <= 0.9; at one torch thread,
+``OMP_NUM_THREADS=1``, CPU seconds measure the work and wall seconds the wait on a shared machine),
+the peak resident-memory growth of each run (sampled every 2 ms), and the max-abs difference of
+their frames and waveforms.
 ``--profile N`` then runs each side once more under ``torch.profiler`` and prints its N top ops.
 
 Run: .venv/bin/python bench/ltx2_vs_diffusers.py [--repeats 5] [--backend cpu] [--profile 12]
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from generate_vs_diffusers import alternate, bench_parser, profile, report  # Wan bench helpers
+from generate_vs_diffusers import alternate_timed, bench_parser, profile, report  # Wan bench's
 
 REFINE = [0.909375, 0.725, 0.421875]
 PEER_OFF = dict(stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_stg_scale=0.0,
@@ -90,12 +92,13 @@ def main() -> None:
         return frames, audio.float().numpy()
 
     ours, theirs = run_flowseam(), run_diffusers()  # warm-up (and parity)
-    times, peaks = alternate({"flowseam": run_flowseam, "diffusers": run_diffusers}, args.repeats)
+    times, cpu, peaks = alternate_timed({"flowseam": run_flowseam, "diffusers": run_diffusers},
+                                        args.repeats)
     print(f"LTX-2 two-stage T2V+audio, DiT 4 layers x width 128 (audio 64), {F} frames {H}x{W} "
           f"(stage 1 {H // 2}x{W // 2}) at {fps:g} fps, {args.steps} + {len(REFINE)} steps, CFG "
           f"{g_video:g}/{g_audio:g} then 1; backend {args.backend}; torch threads "
           f"{torch.get_num_threads()}")
-    report(times, peaks, goal=0.9)
+    report(times, peaks, goal=0.9, cpu=cpu)
     print(f"  max |flowseam - diffusers|: frames {np.abs(ours[0] - theirs[0]).max():.2e}, "
           f"waveform {np.abs(ours[1] - theirs[1]).max():.2e}")
     profile({"flowseam": run_flowseam, "diffusers": run_diffusers}, args.profile)
