@@ -279,6 +279,27 @@ def test_a_faulty_kernel_is_named_with_its_impl_id(faulty_model, monkeypatch, mo
         assert isinstance(info.value.__cause__, cause)
 
 
+def test_running_out_of_memory_is_not_a_plugin_fault():
+    """An allocator's error passes the kernel wrapper unchanged (the server answers it as
+    ``out_of_memory``: tests/test_serve.py); any other exception is still named as the plugin's."""
+    from flowseam.declarations import Provenance
+    from flowseam.kernels import BoundKernel
+
+    prov = Provenance("flow_match_step", "fixture", "flowseam-fixture", "0", "cpu", "any")
+    cpu_oom = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 1099511627776 bytes.")
+    for exc in (MemoryError(), cpu_oom, torch.OutOfMemoryError("CUDA out of memory.")):
+        def raising(*args, exc=exc):
+            raise exc
+        with pytest.raises(BaseException) as info:
+            BoundKernel(raising, prov)(1)
+        assert info.value is exc
+    def crashing(*args):
+        raise RuntimeError("boom")
+    with pytest.raises(KernelFaultError, match="boom"):
+        BoundKernel(crashing, prov)(1)
+
+
 def test_the_step_check_is_one_sum_and_never_a_false_alarm():
     """The loops' finiteness test is one sum: a sum that overflows (finite float16 values) falls
     back to the element-wise test instead of raising; one NaN anywhere is still caught."""

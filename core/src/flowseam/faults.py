@@ -12,11 +12,16 @@ Cost on the success path: a kernel call runs inside one ``try`` (free in CPython
 loops check each step's output with attribute comparisons and one sum over the latents (its
 finiteness; ``bench/step_check.py`` measures it against the element-wise test and a real DiT
 step), and look for the culprit (velocity or kernel) only once a check has failed.
+
+Running out of memory is not a plugin fault: :func:`is_out_of_memory` errors pass through the
+kernel and component wrappers unchanged, so callers see the allocator's own error (the server
+answers it as ``out_of_memory``; the CLI says which request was too large).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .errors import ComponentFaultError, FlowseamError, KernelArgumentError, KernelFaultError
@@ -73,10 +78,23 @@ def component_faults(model: Any, kinds: tuple[str, ...], doing: str) -> Iterator
     except FlowseamError:
         raise
     except Exception as exc:
+        if is_out_of_memory(exc):
+            raise
         records = records_of_kind(model, kinds)
         if not records:
             raise
         raise component_fault(records, f"{describe(exc)} while {doing}") from exc
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory ran out: ``MemoryError``, torch's ``OutOfMemoryError`` (CUDA
+    and other accelerators) or the CPU allocator's ``RuntimeError`` ("DefaultCPUAllocator: can't
+    allocate memory"). Such an error is the request's size, not the plugin's fault."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if isinstance(exc, MemoryError) or (oom_type is not None and isinstance(exc, oom_type)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
 def records_of_kind(model: Any, kinds: tuple[str, ...]) -> list["ComponentRecord"]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 from .declarations import Provenance
 from .errors import FlowseamError, KernelPinError, UnknownOpError
-from .faults import describe, kernel_fault
+from .faults import describe, is_out_of_memory, kernel_fault
 
 
 class BoundKernel:
@@ -26,7 +26,8 @@ class BoundKernel:
 
     :raises KernelFaultError: when the implementation raises anything (a wrong signature gives a
         ``TypeError``, a crash any exception): the error names the plugin, distribution, op and
-        ``impl_id``, with the original as ``__cause__``. A ``ValueError`` (the op contract's
+        ``impl_id``, with the original as ``__cause__`` (out-of-memory errors pass unchanged:
+        :func:`flowseam.faults.is_out_of_memory`). A ``ValueError`` (the op contract's
         rejection of bad arguments) becomes a :class:`~flowseam.errors.KernelArgumentError`,
         which is still a ``ValueError``.
     """
@@ -43,6 +44,8 @@ class BoundKernel:
         except FlowseamError:
             raise
         except Exception as exc:
+            if is_out_of_memory(exc):
+                raise
             raise kernel_fault(self.provenance, describe(exc), exc) from exc
 
     @property

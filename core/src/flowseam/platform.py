@@ -23,7 +23,7 @@ from typing import Any
 from .components import MODULE_KINDS, ComponentRecord, ComponentSpec, module_dtype
 from .declarations import Provenance
 from .errors import BackendUnavailableError, ComponentBuildError, FlowseamError
-from .faults import component_fault, describe
+from .faults import component_fault, describe, is_out_of_memory
 from .isolation import patch_watch
 from .kernels import BoundKernel, KernelTable
 from .plugins import PluginRecord, PluginRegistry, discover, load_without_discovery
@@ -163,6 +163,8 @@ class Platform:
                     except FlowseamError:
                         raise
                     except Exception as exc:
+                        if is_out_of_memory(exc):
+                            raise
                         raise component_fault(record, f"failed to build {spec.describe()}: "
                                               f"{describe(exc)}") from exc
                 if obj is not None:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .. import media
+from ..faults import is_out_of_memory
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .jobs import Job, JobStore, new_job_id
 from .metrics import ServeMetrics
@@ -356,14 +357,10 @@ def describe_failure(exc: BaseException) -> tuple[str, str]:
     """(error code, message) for an exception raised while a job ran: ``out_of_memory`` for
     torch's ``OutOfMemoryError``, ``MemoryError`` and the CPU allocator's "can't allocate
     memory" RuntimeError; ``generation_failed`` otherwise. The message names the exception."""
-    import torch
-
     text = f"{type(exc).__name__}: {exc}".strip()
     if len(text) > 2000:
         text = text[:2000] + " ..."
-    oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
-    if oom:
+    if is_out_of_memory(exc):
         return "out_of_memory", (f"out of memory: {text}; try a smaller size, fewer frames or "
                                  "fewer images per request")
     return "generation_failed", text
