@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import torch
 import flowseam
 from flowseam import DiffusionParams, ExecutionProfile, GenerationRequest, TaskType, ops
 from flowseam.testing.tiny import write_tiny_checkpoint
+from conftest import run_main
 
 PROMPT = "a red ball rolling on the grass"
 # 21 frames = 6 latent frames = 3 chunks of 2; 32x32 pixels = 4x4 latents (2x2 tokens per frame)
@@ -420,12 +419,13 @@ def test_fragmented_mp4_plays_while_written(tmp_path):
 
 
 def test_cli_stream_writes_mp4_and_prints_time_to_first_chunk(ckpt, tmp_path):
-    """The real command in a subprocess (``python -m flowseam generate --stream``)."""
+    """The command (``flowseam generate --stream``: ``flowseam.cli.main``, run in this process;
+    what a real process adds — its exit status, no traceback — is tested once for every command
+    in test_generate_cli.py and test_hostile_inputs.py)."""
     out = tmp_path / "v.mp4"
-    r = subprocess.run([sys.executable, "-m", "flowseam", "generate", "--model", str(ckpt),
-                        "--prompt", PROMPT, "--frames", "21", "--height", "32", "--width", "32",
-                        "--chunk-frames", "2", "--steps", "2", "--seed", "5", "--stream",
-                        "--backend", "cpu", "--output", str(out)], capture_output=True, text=True)
+    r = run_main("generate", "--model", str(ckpt), "--prompt", PROMPT, "--frames", "21",
+                 "--height", "32", "--width", "32", "--chunk-frames", "2", "--steps", "2",
+                 "--seed", "5", "--stream", "--backend", "cpu", "--output", str(out))
     assert r.returncode == 0, r.stderr
     assert "time-to-first-chunk:" in r.stdout and "5 frame(s)" in r.stdout
     assert "3 chunks, streamed" in r.stdout
