@@ -1,6 +1,6 @@
 """The accel backend (torch.compile): discovery, the arch walk, its compiled kernels against the
-numpy oracle, C2, its compiled dit/vae against the cpu build, the text_encoder fallback, and
-that a new sigma never recompiles.
+numpy oracle, C2, its compiled dit against the cpu build, the vae and text_encoder fallbacks,
+and that a new sigma never recompiles.
 
 Compiling costs seconds per graph on a small CPU; inductor's on-disk cache
 (TORCHINDUCTOR_CACHE_DIR) makes reruns fast, and the models here are shrunk further than the
@@ -80,7 +80,7 @@ def test_found_through_its_entry_point_as_device_accel_priority_50():
             pytest.skip(f"accel is blocked here: {rec.reason}")
         assert (rec.status, rec.distribution, rec.device, rec.priority) == \
             ("available", "flowseam-accel", "accel", 50)
-        assert rec.component_kinds == ("dit", "vae")
+        assert rec.component_kinds == ("dit",)
         assert {(k.op, k.arch) for k in rec.kernels} == {
             (ops.FLOW_MATCH_STEP, "generic"), (ops.FLOW_SDE_STEP, device.arch_chain()[0]),
             (ops.FLOW_RENOISE, "generic")}
@@ -244,7 +244,8 @@ def test_a_new_sigma_resolution_or_storage_dtype_never_recompiles(accel):
 @pytest.fixture(scope="module")
 def tiny_wan(tmp_path_factory):
     """A Wan 2.1 T2V checkpoint shrunk below the default tiny one (2 DiT layers, a 2-level VAE),
-    so that its graphs compile in seconds; two layers, so that one block's graphs serve both."""
+    so that the DiT block's graphs compile in seconds; two layers, so that one block's graphs
+    serve both."""
     from flowseam.testing.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(
@@ -333,35 +334,21 @@ def test_a_dit_without_repeated_blocks_is_compiled_whole(accel):
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in model)
 
 
-def test_vae_encoder_and_decoder_are_compiled_and_equal_the_cpu_build(accel, cpu, tiny_wan):
-    import diffusers
-
-    spec = ComponentSpec("vae", "diffusers.AutoencoderKLWan", str(tiny_wan), "vae")
-    vae, ref = accel.build_component("vae", spec), cpu.build_component("vae", spec)
-    assert type(vae) is diffusers.AutoencoderKLWan
-    assert isinstance(vae.encoder._compiled_call_impl, compiled.Timed)
-    assert isinstance(vae.decoder._compiled_call_impl, compiled.Timed)
-    video = _rand(1, 3, 1, 16, 16, seed=22).clamp(-1, 1)
-    before = {name: _entry(name) for name in ("vae:vae.encoder", "vae:vae.decoder")}
-    with torch.no_grad():
-        latent = vae.encode(video).latent_dist.mode()
-        decoded = vae.decode(latent).sample
-        want_latent = ref.encode(video).latent_dist.mode()
-        want_decoded = ref.decode(want_latent).sample
-    assert (latent - want_latent).abs().max().item() < 1e-4
-    assert (decoded - want_decoded).abs().max().item() < 1e-4
-    for name, was in before.items():  # one call each, and each compiled (now or earlier) once
-        now = _entry(name)
-        assert now["calls"] - was["calls"] == 1 and now["compiles"] >= 1, name
-
-
-def test_text_encoder_falls_back_to_cpu_and_the_platform_says_why(accel, tiny_wan):
-    spec = ComponentSpec("text_encoder", "transformers.UMT5EncoderModel", str(tiny_wan), "text_encoder")
-    assert accel.component_plan("text_encoder") == ("cpu", "cpu", True)
-    encoder = accel.build_component("text_encoder", spec)
-    assert next(encoder.parameters()).device.type == "cpu"
-    assert getattr(encoder, "_compiled_call_impl", None) is None     # built by cpu, not compiled
-    record = [c for c in accel.components if c.kind == "text_encoder"][-1]
+@pytest.mark.parametrize("kind,name,cls", [
+    ("vae", "vae", "diffusers.AutoencoderKLWan"),
+    ("text_encoder", "text_encoder", "transformers.UMT5EncoderModel"),
+])
+def test_vae_and_text_encoder_fall_back_to_cpu_and_the_platform_says_why(accel, tiny_wan, kind,
+                                                                         name, cls):
+    """accel builds neither: the VAE is cpu's eager oneDNN build (compiling it cost most of a
+    cold start, see flowseam_accel.components), the text encoder is left out on purpose."""
+    spec = ComponentSpec(name, cls, str(tiny_wan), name)
+    assert accel.component_plan(kind) == ("cpu", "cpu", True)
+    component = accel.build_component(kind, spec)
+    assert next(component.parameters()).device.type == "cpu"
+    assert getattr(component, "_compiled_call_impl", None) is None   # built by cpu, not compiled
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in component.modules())
+    record = [c for c in accel.components if c.kind == kind][-1]
     assert (record.device, record.plugin, record.fallback) == ("cpu", "cpu", True)
-    assert record.reason == "no plugin serving 'accel' builds 'text_encoder'"
-    assert "no plugin serving 'accel' builds 'text_encoder'" in accel.explain()
+    assert record.reason == f"no plugin serving 'accel' builds '{kind}'"
+    assert f"no plugin serving 'accel' builds '{kind}'" in accel.explain()

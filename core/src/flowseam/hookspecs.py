@@ -192,7 +192,7 @@ def flowseam_conformance_expectations() -> ConformanceExpectations | None:
     that do not implement it get the defaults described in
     :class:`flowseam.ConformanceExpectations` (derived from ``flowseam_component_kinds``).
 
-    Example (the accel backend: ``dit`` and ``vae`` are always its own, ``text_encoder`` never)::
+    Example (a backend whose ``dit`` and ``vae`` are always its own, ``text_encoder`` never)::
 
         @hookimpl
         def flowseam_conformance_expectations():

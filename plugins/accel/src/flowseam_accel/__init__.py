@@ -11,8 +11,8 @@ the worked example for third-party backend authors, one concept per module:
                   torch.compile can run here
 ``kernels``       ``flow_match_step`` and ``flow_sde_step``, fused by torch.compile, following
                   the contracts in :mod:`flowseam.ops`
-``components``    ``dit`` and ``vae`` builders: the real diffusers classes, compiled in place
-                  (a DiT's repeated transformer blocks: regional compilation)
+``components``    the ``dit`` builder: the real diffusers class, its repeated transformer
+                  blocks compiled in place (regional compilation); why the VAE is left to cpu
 ``compiled``      compile once per signature; compile seconds booked apart from run seconds
 ================  ===============================================================================
 
@@ -23,8 +23,9 @@ What accel provides, and what it leaves to cpu on purpose:
 * ``flow_match_step`` at arch ``generic`` (found by walking the arch chain) and ``flow_sde_step`` at
   the most specific rung of the host (a direct hit); no ``attention`` kernel (cpu's is used),
   and no ``unipc_step``: that solver falls back to cpu's eager kernel (a few elementwise passes per step; ``platform.explain()`` shows the fallback);
-* ``dit`` and ``vae`` components; no ``text_encoder`` (it falls back to cpu, and
-  ``platform.components`` / ``platform.explain()`` say so).
+* the ``dit`` component; no ``vae`` (cpu's eager oneDNN build: compiling the Wan VAE cost most
+  of a cold start, see :mod:`flowseam_accel.components`) and no ``text_encoder``: both fall back
+  to cpu, and ``platform.components`` / ``platform.explain()`` say so.
 
 Compile time
     Compilation is lazy and happens once per module (or kernel) and input signature; a DiT's

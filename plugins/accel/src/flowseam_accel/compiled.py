@@ -1,14 +1,13 @@
 """Compile once per module and input signature; book compile seconds apart from run seconds.
 
 ``torch.compile`` is lazy. The first call with a new input *signature* (shapes, dtypes, devices,
-grad mode, and for the Wan VAE the state of its causal-conv cache) traces the function with
+grad mode) traces the function with
 dynamo and generates code with inductor, then runs it; later calls with the same signature only
 check the guards and run the generated code. So a compiled component costs its compile time once
 per signature, and that cost must not be mistaken for its speed.
 
 How the two are separated
-    Every compiled entry point of accel (the dit, the vae's encoder and decoder, the solver
-    kernels) is wrapped in a :class:`Timed`, which times each call with ``time.perf_counter`` and
+    Every compiled entry point of accel (the DiT's blocks, the solver kernels) is wrapped in a :class:`Timed`, which times each call with ``time.perf_counter`` and
     reads dynamo's own counters of built graphs and converted frames
     (``torch._dynamo.utils.counters["stats"]["unique_graphs"]`` and ``["frames"]["total"]``)
     before and after. A call during which dynamo built a graph is booked as **compile** time, and its input signature is recorded; every other call is booked as **run**
@@ -21,7 +20,8 @@ How the two are separated
 
 :func:`compile_report` returns the totals and a per-entry breakdown; :func:`reset_compile_report`
 clears them. Entry names are ``"<kind>:<component name>"`` (``"dit:transformer"``), with the
-submodule for VAEs (``"vae:vae.decoder"``), and the op name for kernels (``"flow_sde_step.sample"``).
+block class for a regionally compiled DiT (``"dit:transformer.WanTransformerBlock"``), and the op
+name for kernels (``"flow_sde_step.sample"``).
 """
 
 from __future__ import annotations

@@ -17,26 +17,23 @@ compiled in place.
     same class, with its ``config``, parameters and attention processors, and loops call it as
     before. Compile and run seconds are booked per block class (``"dit:transformer.WanTransformerBlock"``).
 
-``vae`` (``AutoencoderKLWan``, ``AutoencoderKL``, ...)
-    A diffusers VAE is used through ``encode()`` / ``decode()``, never ``forward()``, so compiling
-    the top-level module would compile nothing that runs. Its heavy work lives in two submodules,
-    ``vae.encoder`` and ``vae.decoder`` (all the convolutions, norms and attention); those are
-    compiled in place, and the Python around them stays eager: diffusers' frame-chunking loop,
-    tiling and slicing, the ``DiagonalGaussianDistribution``, the quant convs, the clamp. The
-    public API is untouched.
-
-    The Wan VAE calls its encoder once per chunk of frames and threads a causal-conv cache
-    (a list of tensors, ``None`` at the first chunk) between calls; dynamo guards on that list, so
-    each submodule compiles once per *cache state*: the first chunk, the second chunk (a one-frame
-    cache) and the steady state (two frames). That is at most three graphs per shape, reused for
-    every later chunk, video and VAE instance of the same config.
+``vae`` is not built here: it falls back to cpu
+    accel compiled a VAE's ``encoder`` and ``decoder`` until 2026-12 and stopped. The Wan VAE's
+    causal conv3d does not lower with symbolic sizes, so those graphs were shape-specialized,
+    and the causal-conv cache (a list of tensors threaded between per-chunk calls) made every
+    cache state a graph of its own: four signatures per video shape, 676 s of a 782 s cold start
+    on two CPU cores and 54 s of a warm-cache start, again for every new frame count. cpu's
+    eager build runs its convolutions on oneDNN (``flowseam_cpu.wan_vae``) and has nothing to
+    compile (accel/cpu with it: ``bench/backends.py``, in the README's benchmark table). So ``vae`` is not among
+    :func:`flowseam_accel.plugin.flowseam_component_kinds`; the platform builds it on cpu and
+    records the fallback (``platform.explain()``, ``model.provenance()`` says "(fallback)").
+    On a CUDA host that keeps the VAE on the CPU, next to the text encoder; a GPU backend that
+    wants the VAE on the device builds it itself (flowseam-cuda does).
 
 Other kinds are not declared (see :func:`flowseam_accel.plugin.flowseam_component_kinds`) and
 fall back to cpu; ``text_encoder`` is left out on purpose, so that fallback is exercised.
 
-The DiT's blocks are compiled with ``dynamic=True`` (the VAE's encoder and decoder stay
-``dynamic=False``, one graph per shape and cache state: inductor fails to lower the Wan VAE's
-causal conv3d with symbolic sizes): sizes are symbols in the graph, so one graph
+The DiT's blocks are compiled with ``dynamic=True``: sizes are symbols in the graph, so one graph
 serves every resolution, frame count and text length, and a given shape always runs the same
 graph (serve and rollout are numerically the same, the first run and the hundredth alike). torch
 still specializes sizes 0 and 1, so a batch of one (CFG off, or a single sample) compiles its
@@ -57,12 +54,6 @@ from .compiled import compile_module
 from .device import torch_device
 
 _COMPILE_OPTIONS = {"dynamic": True}
-#: The VAE stays shape-specialized: inductor 2.13 fails to lower the Wan VAE's causal conv3d with
-#: symbolic sizes (ValueRangeError on the padded input, seen on the wan2.1-i2v encoder).
-_VAE_COMPILE_OPTIONS = {"dynamic": False}
-
-#: The submodules of a diffusers VAE that do its work; compiled where present.
-VAE_SUBMODULES = ("encoder", "decoder")
 
 
 def build_dit(spec: ComponentSpec) -> torch.nn.Module:
@@ -88,16 +79,4 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str) -> torch.nn.Modu
     return module
 
 
-def build_vae(spec: ComponentSpec) -> torch.nn.Module | None:
-    """``spec``'s autoencoder in float32 on accel's device with ``encoder`` and ``decoder``
-    compiled in place; None (decline, so cpu builds it) for a VAE class without either."""
-    module = instantiate(spec, device=str(torch_device()), dtype=torch.float32)
-    parts = [name for name in VAE_SUBMODULES if isinstance(getattr(module, name, None), torch.nn.Module)]
-    if not parts:
-        return None
-    for name in parts:
-        compile_module(getattr(module, name), f"vae:{spec.name}.{name}", **_VAE_COMPILE_OPTIONS)
-    return module
-
-
-BUILDERS = {"dit": build_dit, "vae": build_vae}
+BUILDERS = {"dit": build_dit}

@@ -29,7 +29,7 @@ def flowseam_backend() -> BackendInfo:
     # The device name is flowseam's, not torch's: "accel" runs on whatever torch_device() picked.
     # Priority 50: preferred over cpu (0), below a dedicated vendor backend such as cuda (100).
     return BackendInfo(device="accel", priority=50,
-                       description="torch.compile'd dit/vae and fused solver kernels on the best "
+                       description="torch.compile'd DiT blocks and fused solver kernels on the best "
                                    "torch device of the host")
 
 
@@ -63,25 +63,27 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
 
 @hookimpl
 def flowseam_component_kinds() -> tuple[str, ...]:
-    # No "text_encoder" on purpose: it falls back to cpu, visibly in platform.explain().
+    # No "text_encoder" on purpose: it falls back to cpu, visibly in platform.explain(). No
+    # "vae" either: cpu's eager oneDNN VAE compiles nothing (see components).
     return tuple(components.BUILDERS)
 
 
 @hookimpl
 def flowseam_conformance_expectations() -> ConformanceExpectations:
     """accel's promise, stated independently of its declarations so that the conformance suite
-    catches a change to either: dit and vae are built here, text encoders (and the other kinds,
-    LTX-2's connectors, audio VAE, vocoder and latent upsampler among them) fall back to cpu."""
-    return ConformanceExpectations(overrides=("dit", "vae"),
-                                   falls_back=("text_encoder", "tokenizer", "image_encoder",
+    catches a change to either: the dit is built here; the vae, text encoders (and the other
+    kinds, LTX-2's connectors, audio VAE, vocoder and latent upsampler among them) fall back to
+    cpu."""
+    return ConformanceExpectations(overrides=("dit",),
+                                   falls_back=("vae", "text_encoder", "tokenizer", "image_encoder",
                                                "image_processor", "text_connectors", "audio_vae",
                                                "vocoder", "latent_upsampler"))
 
 
 @hookimpl
 def flowseam_build_component(kind: str, spec: ComponentSpec, device: str):
-    """``dit`` and ``vae`` in float32 on accel's torch device, compiled in place (see
-    :mod:`flowseam_accel.components`); None declines (the platform moves on to cpu)."""
+    """``dit`` in float32 on accel's torch device, its repeated blocks compiled in place (see
+    :mod:`flowseam_accel.components`); None for any other kind (the platform moves on to cpu)."""
     builder = components.BUILDERS.get(kind)
     return builder(spec) if builder is not None else None
 
