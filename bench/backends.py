@@ -20,9 +20,11 @@ which is the warm-cache start a user sees in every later process. Without either
 default cache directory is used as it is. Inductor compiles with one thread
 (``TORCHINDUCTOR_COMPILE_THREADS=1``, unless set), so the CPU seconds printed next to the wall
 seconds include the C++ compiler's: on a shared machine they are the figure that does not
-depend on what else runs.
+depend on what else runs. ``--threads 1`` runs torch with one intra-op thread (as
+``bench/generate_vs_diffusers.py --threads 1``): torch's two threads on two busy cores mostly
+wait for each other, which says more about the load than about either backend.
 
-Run: .venv/bin/python bench/backends.py --cold [--repeats 5]
+Run: .venv/bin/python bench/backends.py --cold [--repeats 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="compile into a fresh inductor cache dir, then rerun warm on it")
     ap.add_argument("--cache-dir", help="TORCHINDUCTOR_CACHE_DIR for this run")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (default: torch's choice, one per core)")
     ap.add_argument("--start-only", action="store_true",
                     help="only load accel and time its first generation (used by --cold)")
     args = ap.parse_args()
@@ -76,6 +80,10 @@ def main() -> None:
 
     import diffusers
     import numpy as np
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import flowseam
     from flowseam.testing.tiny import write_tiny_checkpoint
@@ -100,7 +108,7 @@ def main() -> None:
         start[name], cpu_s[name] = time.perf_counter() - t0, _cpu_seconds() - c0
     report = flowseam_accel.compile_report()
     print(f"Wan2.1 T2V 4 layers x 128, 17 frames 64x64, {args.steps} steps, CFG 5.0; "
-          f"inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(default)')}")
+          f"torch threads {torch.get_num_threads()}; inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(default)')}")
     print(f"  accel start: load {load['accel']:.2f} s, first generation {start['accel']:.2f} s "
           f"({cpu_s['accel']:.1f} CPU s), of which {report['compile_s']:.1f} s in compiling calls "
           f"({report['compiles']} signatures, {_graphs()} graphs built); load average "
@@ -110,18 +118,22 @@ def main() -> None:
         return
 
     times = {name: [] for name in models}
+    cpu_times = {name: [] for name in models}
     order = list(models)
     for _ in range(args.repeats):
         order.reverse()
         for name in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu_seconds()
             models[name].generate("a red ball", params=params)
             times[name].append(time.perf_counter() - t0)
+            cpu_times[name].append(_cpu_seconds() - c0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu_times.items()}
     for name in models:
-        print(f"  {name:<6} first {start[name]:.2f} s; median {med[name]:.3f} s "
-              f"(runs: {', '.join(f'{t:.3f}' for t in times[name])})")
-    print(f"  ratio accel/cpu = {med['accel'] / med['cpu']:.3f}")
+        print(f"  {name:<6} first {start[name]:.2f} s; median {med[name]:.3f} s wall, "
+              f"{cpu_med[name]:.3f} CPU s (runs: {', '.join(f'{t:.3f}' for t in times[name])})")
+    print(f"  ratio accel/cpu = {med['accel'] / med['cpu']:.3f} wall, "
+          f"{cpu_med['accel'] / cpu_med['cpu']:.3f} CPU; load average {os.getloadavg()[0]:.1f}")
     print(f"  max |accel - cpu| = {np.abs(outputs['accel'] - outputs['cpu']).max():.2e}")
 
     print("  recompiles on accel (new signatures / seconds compiling / graphs built):")
@@ -142,7 +154,7 @@ def main() -> None:
     if args.cold:
         print("  warm-cache start (a new process on the same inductor cache):", flush=True)
         subprocess.run([sys.executable, __file__, "--start-only", "--cache-dir", cache_dir,
-                        "--steps", str(args.steps)], check=True)
+                        "--steps", str(args.steps), "--threads", str(args.threads)], check=True)
 
 
 if __name__ == "__main__":
