@@ -420,8 +420,8 @@ def test_fragmented_mp4_plays_while_written(tmp_path):
 
 def test_cli_stream_writes_mp4_and_prints_time_to_first_chunk(ckpt, tmp_path):
     """The command (``flowseam generate --stream``: ``flowseam.cli.main``, run in this process;
-    what a real process adds — its exit status, no traceback — is tested once for every command
-    in test_generate_cli.py and test_hostile_inputs.py)."""
+    what a real process adds — its exit status, one error line — is tested once for every
+    command: test_hostile_inputs.py::test_the_flowseam_process_exits_with_one_error_line)."""
     out = tmp_path / "v.mp4"
     r = run_main("generate", "--model", str(ckpt), "--prompt", PROMPT, "--frames", "21",
                  "--height", "32", "--width", "32", "--chunk-frames", "2", "--steps", "2",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_cli, run_main
+from conftest import run_main
 from PIL import Image
 
 from flowseam import media
@@ -97,8 +97,9 @@ def test_generate_bad_input_exits_nonzero_without_output(ckpts, tmp_path, args, 
         argv += args
     if "--frames" not in argv:
         argv += ["--frames", "5"]
-    # in this process; one row as the real command (its exit status, no traceback)
-    r = (run_cli if args == ["--frames", "6"] else run_main)(*argv)
+    # in this process; the real `flowseam generate` process's exit status and single error line
+    # are test_hostile_inputs.py::test_the_flowseam_process_exits_with_one_error_line
+    r = run_main(*argv)
     assert r.returncode == 2, r.stderr
     assert match in r.stderr and "Traceback" not in r.stderr
     assert list(tmp_path.iterdir()) == []
