@@ -16,8 +16,9 @@ frames = 81 frames; Self-Forcing's 4 steps, no CFG), random weights written by
    chunk (5 DiT calls against 4) eats the saving, so the bench uses 128x128;
 3. memory as the video grows 7 → 14 → 28 chunks (2x, 4x), without and with a rolling window
    (``local_attn_size=9, sink_size=3`` latent frames): the KV cache's peak bytes (exact, summed
-   over layers) and the peak resident-memory growth of the run (sampled from /proc every 2 ms;
-   denoising only: the VAE's memory does not depend on the video's length when it streams).
+   over layers) and the peak resident-memory growth of the run (the kernel's peak RSS, reset
+   before the run; denoising only: the VAE's memory does not depend on the video's length when
+   it streams).
 
 Run: .venv/bin/python bench/causal.py [--repeats 3] [--backend cpu]
 """

@@ -13,8 +13,8 @@ the pipeline's default 1024 text tokens. diffusers runs its documented two-stage
 each, they alternate ``--repeats`` times (who goes first alternates too). Reports the median
 wall and CPU seconds of each, the ratios flowseam/diffusers (goal <= 0.9; at one torch thread,
 ``OMP_NUM_THREADS=1``, CPU seconds measure the work and wall seconds the wait on a shared machine),
-the peak resident-memory growth of each run (sampled every 2 ms), and the max-abs difference of
-their frames and waveforms.
+the peak resident-memory growth of each run (the kernel's peak RSS, reset before each run), and
+the max-abs difference of their frames and waveforms.
 ``--profile N`` then runs each side once more under ``torch.profiler`` and prints its N top ops.
 
 Run: .venv/bin/python bench/ltx2_vs_diffusers.py [--repeats 5] [--backend cpu] [--profile 12]
