@@ -152,8 +152,14 @@ def test_stage1_upsample_and_two_stage_equal_diffusers(ckpts, models):
     ours_v, ours_a = _stage1_latents(model, one)
     _close(ours_v.numpy(), lat_v, "stage-1 video latents")
     _close(ours_a.numpy(), lat_a, "stage-1 audio latents")
-    # the latent upsampler on the same latents: x2 spatially
-    up = model.upsample(one.latents, one.cond, one.params)
+    # the latent upsampler on the same latents: x2 spatially; it and the video VAE convolve
+    # with oneDNN on the cpu backend (flowseam_cpu.ltx2), never torch's slow im2col kernels
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        up = model.upsample(one.latents, one.cond, one.params)
+        model.decode(one.latents, one.params, one.cond)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::mkldnn_convolution" in ops
+    assert not {"aten::slow_conv3d_forward", "aten::_slow_conv2d_forward"} & ops
     layout2 = model.layout(up, one.cond)
     ours_up = model.denormalize_video(model.unpack_video(model.split(up, layout2)[0], layout2.video))
     theirs_up = peer.upsample(lat_v)

@@ -7,6 +7,7 @@ from flowseam import Availability, BackendInfo, ComponentSpec, KernelRegistratio
 from flowseam.components import instantiate
 from flowseam.ops import eager as kernels  # the eager-torch implementation of every op contract
 
+from .ltx2 import speed_up_ltx2
 from .wan_vae import speed_up_wan_vae
 
 
@@ -45,6 +46,9 @@ def flowseam_component_kinds() -> tuple[str, ...]:
 @hookimpl
 def flowseam_build_component(kind: str, spec: ComponentSpec, device: str):
     """Every kind, with its real class, in float32 on the CPU; a Wan VAE with its convolutions
-    on oneDNN and its RMS norms as sums of squares (:mod:`flowseam_cpu.wan_vae`)."""
+    on oneDNN and its RMS norms as sums of squares (:mod:`flowseam_cpu.wan_vae`); LTX-2's video
+    VAE and latent upsampler with their convolutions on oneDNN (:mod:`flowseam_cpu.ltx2`)."""
     built = instantiate(spec, device="cpu", dtype=torch.float32)
-    return speed_up_wan_vae(built) if kind == "vae" else built
+    if kind == "vae":
+        built = speed_up_wan_vae(built)
+    return speed_up_ltx2(kind, built)

@@ -4,16 +4,8 @@ to every Wan VAE it builds. Both leave the module's weights, config and class un
 They are what ``bench/generate_vs_diffusers.py --profile`` names first for the VAE decode
 (torch 2.13, one thread; the profile is in the README's benchmark section):
 
-* **Convolutions through oneDNN.** ``nn.Conv3d`` and ``nn.Conv2d`` pick torch's native im2col
-  kernels (``aten::slow_conv3d_forward``, ``aten::_slow_conv2d_forward``) over oneDNN's for a
-  batch of one with a small ``N * C * D * H`` (at most 20480: torch's ``use_mkldnn`` heuristic
-  in ``aten/src/ATen/native/Convolution.cpp``), which is every causal conv of a small decode:
-  11 ms against 2.3 ms for ``(1, 8, 6, 66, 66)`` with 8 output channels, 3x3x3. Here every
-  ``nn.Conv3d`` and ``nn.Conv2d`` of the VAE calls ``aten::mkldnn_convolution`` directly for
-  float32 CPU inputs
-  when gradients are off (decode, encode under ``torch.no_grad``); the result differs from the
-  native kernel by float rounding only (5e-6 on that example). At real sizes
-  (``N * C * D * H`` > 20480) torch already chooses oneDNN, so nothing changes there.
+* **Convolutions through oneDNN** (:func:`flowseam_cpu.onednn.convolutions_on_onednn`): torch's
+  CPU heuristic picks its slow native kernels for every causal conv of a small decode.
 * **RMS norm as a sum of squares.** ``WanRMS_norm`` calls ``F.normalize(x, dim=1)``, whose
   ``linalg_vector_norm`` over the channel dimension of an NCDHW tensor is slow on CPU (3.9 ms
   against 0.14 ms for ``(1, 8, 4, 64, 64)``; 18 ms against 14 ms for ``(1, 96, 4, 60, 104)``).
@@ -29,17 +21,9 @@ import types
 
 import torch
 
+from .onednn import convolutions_on_onednn
+
 _EPS_SQUARED = 1e-24  # F.normalize's eps (1e-12), squared: it bounds ||x||^2 instead of ||x||
-
-
-def _conv_forward_onednn(self: torch.nn.Conv2d | torch.nn.Conv3d, input: torch.Tensor,
-                         weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if (input.device.type == "cpu" and input.dtype == torch.float32
-            and weight.dtype == torch.float32 and self.padding_mode == "zeros"
-            and not isinstance(self.padding, str) and not torch.is_grad_enabled()):
-        return torch.ops.aten.mkldnn_convolution(input, weight, bias, self.padding, self.stride,
-                                                 self.dilation, self.groups)
-    return type(self)._conv_forward(self, input, weight, bias)
 
 
 def _rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -59,9 +43,8 @@ def speed_up_wan_vae(vae: torch.nn.Module) -> torch.nn.Module:
 
     if not isinstance(vae, AutoencoderKLWan):
         return vae
+    convolutions_on_onednn(vae)
     for module in vae.modules():
-        if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
-            module._conv_forward = types.MethodType(_conv_forward_onednn, module)
-        elif isinstance(module, WanRMS_norm):
+        if isinstance(module, WanRMS_norm):
             module.forward = types.MethodType(_rms_norm_forward, module)
     return vae
