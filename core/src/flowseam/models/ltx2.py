@@ -468,8 +468,9 @@ class LTX2T2V(ModelInstance):
                       cfg: bool, fps: float, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The DiT inputs that stay the same at every step of a stage, built at its first step
         (as diffusers builds them before its denoising loop) and kept in ``layout.inputs``: the
-        text embeddings and mask (``[negative, prompt]`` with CFG), the video and audio RoPE
-        coordinates for ``batch`` rows (the CFG batch)."""
+        text embeddings and mask (``[negative, prompt]`` with CFG; no mask when every position
+        is valid: :func:`_attended_text`), the video and audio RoPE coordinates for
+        ``batch`` rows (the CFG batch)."""
         key = (batch, cfg, device)
         if key not in layout.inputs:
             embeds, audio_embeds, mask = (cond.prompt_embeds, cond.extra["audio_embeds"],
@@ -478,6 +479,7 @@ class LTX2T2V(ModelInstance):
                 embeds = torch.cat([cond.negative_embeds, embeds])
                 audio_embeds = torch.cat([cond.extra["negative_audio_embeds"], audio_embeds])
                 mask = torch.cat([cond.extra["negative_mask"], mask])
+            embeds, audio_embeds, mask = _attended_text(embeds, audio_embeds, mask)
             _, F, H, W = layout.video
             layout.inputs[key] = (
                 embeds, audio_embeds, mask,
@@ -530,6 +532,23 @@ class LTX2T2V(ModelInstance):
         """
         raise FlowseamError(f"{self.card.name} cannot be fine-tuned on frames alone: its DiT "
                             "denoises video and audio latents together (train it with flowgrpo)")
+
+
+def _attended_text(embeds: torch.Tensor, audio_embeds: torch.Tensor, mask: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The text inputs of the DiT's cross-attention: the video ``(B, L, Dv)`` and audio
+    ``(B, L, Da)`` embeddings as they are, and the binary mask ``(B, L)``, or None when every
+    position is valid.
+
+    The DiT turns the mask into the additive bias ``(1 - mask) * -10000`` on the text keys,
+    which is ``-0.0`` at a valid position: adding it leaves every attention score's bits as
+    they are, so no mask gives the same output, and SDPA skips reading and adding a
+    ``(B, heads, 1, L)`` bias in every text cross-attention of every block and step. diffusers
+    0.42.1's ``LTX2TextConnectors`` always return an all-ones mask (with learnable registers the
+    padding is replaced; without them its binarisation ``video_attn_mask < 1e-6`` also marks
+    the padding valid), so the DiT attends to every text position either way.
+    """
+    return embeds, audio_embeds, None if bool(mask.bool().all()) else mask
 
 
 def _guided(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, scale: float, cfg: bool) -> torch.Tensor:
