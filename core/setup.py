@@ -63,7 +63,8 @@ setup(
         # openai: the official SDK drives the server tests (videos API from 2.3);
         # playwright: drives the system chromium for the web page test (no browser download)
         "test": ["pytest>=8", "peft>=0.13", "ray>=2.40", "openai>=2.3", "playwright>=1.40"],
-        # `flowseam demo`: the digits data and classifier (scikit-learn), the reward plot, LoRA
-        "demo": ["scikit-learn>=1.3", "matplotlib>=3.7", "peft>=0.13"],
+        # `flowseam demo`: the digits data and classifier (scikit-learn; threadpoolctl caps its
+        # BLAS threads), the reward plot, LoRA
+        "demo": ["scikit-learn>=1.3", "threadpoolctl>=3.1", "matplotlib>=3.7", "peft>=0.13"],
     },
 )

@@ -81,6 +81,30 @@ def test_parity_with_diffusers(checkpoints, models, card, height, width, frames,
     assert ours.std() > 0.01  # not a constant image
 
 
+def test_i2v_batch_takes_one_image_per_prompt_equal_to_diffusers_image_by_image(checkpoints, models):
+    """A batch of two prompts with a list of two images: row k equals diffusers' pipeline on
+    prompt k, image k and seed k alone (diffusers has no per-sample images; the RL rollouts
+    batch a group this way)."""
+    model = models["wan2.1-i2v"]
+    images, prompts, seeds = [_image(seed=1), _image(36, 36, seed=2)], ["a red ball", "a cube"], [3, 4]
+    params = DiffusionParams(num_steps=2, height=32, width=32, num_frames=5, guidance_scale=5.0,
+                             negative_prompt="blurry")
+    ours = model.generate(prompts, image=images, params=params, seeds=seeds).frames
+    theirs = [_diffusers_output(checkpoints["wan2.1-i2v"], "wan2.1-i2v", p, steps=2, height=32,
+                                width=32, frames=5, guidance=5.0, seed=s, image=im,
+                                negative_prompt="blurry")[0]
+              for p, im, s in zip(prompts, images, seeds)]
+    assert ours.shape == (2, 5, 32, 32, 3)
+    assert np.abs(ours - np.stack(theirs)).max() <= 1e-5
+    # the image varied per row is what each row follows: the same seeds, the images swapped
+    swapped = model.generate(prompts, image=images[::-1], params=params, seeds=seeds).frames
+    assert np.abs(swapped - ours).max() > 1e-3
+    with pytest.raises(ValueError, match="list of 2 images for 3 prompt"):
+        model.generate(prompts + ["x"], image=images, params=params)
+    with pytest.raises(ValueError, match=r"image\[1\]"):
+        model.generate(prompts, image=[images[0], np.full((8, 8, 3), 2.0)], params=params)
+
+
 @pytest.mark.parametrize("card", CARDS)
 def test_same_seed_is_bitwise_identical_and_seeds_differ(models, card):
     image = _image() if card == "wan2.1-i2v" else None

@@ -140,6 +140,9 @@ class ModelInstance:
     card: ModelCard
     #: the component names of the denoiser, VAE and text encoder in this card's checkpoint
     DIT: ClassVar[str] = "transformer"
+    #: an image-to-video card that takes a list of images, one per prompt, in one request (a
+    #: batch of B first frames); the others take one image per request
+    IMAGE_PER_SAMPLE: ClassVar[bool] = False
 
     def __init__(self, card: ModelCard, platform: "Platform", components: dict[str, Any],
                  path: Path | None, solver: SolverConfig | None, *,
@@ -406,10 +409,13 @@ class ModelInstance:
     def check_image(self, request: GenerationRequest) -> None:
         """An image-to-video card needs ``request.image``, which is read and converted to RGB
         here (``request.image`` becomes the PIL image; :func:`flowseam.media.read_image`), so a
-        bad file fails before any model runs; the other cards take none.
+        bad file fails before any model runs; the other cards take none. A card with
+        :attr:`IMAGE_PER_SAMPLE` also takes a list of images, one per prompt (``request.image``
+        becomes a list of PIL images).
 
         :raises ValueError: naming the card and what to pass or use instead, or the image and
-            what is wrong with it.
+            what is wrong with it (for a list: its index), or a list whose length is not the
+            number of prompts.
         """
         if TaskType.I2V in self.card.tasks:
             if request.image is None:
@@ -417,7 +423,23 @@ class ModelInstance:
                                  "a path, or an (H, W, 3) float array in [0, 1])")
             from ..media import read_image
 
-            request.image = read_image(request.image)
+            if not isinstance(request.image, (list, tuple)):
+                request.image = read_image(request.image)
+                return
+            n = len(request.prompts)
+            if not self.IMAGE_PER_SAMPLE:
+                raise ValueError(f"{self.card.name} takes one image per request; got a list of "
+                                 f"{len(request.image)} images (run one request per image)")
+            if len(request.image) != n:
+                raise ValueError(f"image is a list of {len(request.image)} images for {n} "
+                                 "prompt(s); give one image per prompt, or one image for all")
+            images = []
+            for k, image in enumerate(request.image):
+                try:
+                    images.append(read_image(image))
+                except ValueError as e:
+                    raise ValueError(f"image[{k}]: {e}") from None
+            request.image = images
         elif request.image is not None:
             what = {TaskType.T2V: "text-to-video", TaskType.T2I: "text-to-image"}[self.card.task]
             raise ValueError(f"{self.card.name} is {what} and takes no image; use an "

@@ -218,13 +218,15 @@ class WanT2V(ModelInstance):
 class WanI2V(WanT2V):
     """Wan2.1 image-to-video: the image is VAE-encoded into the first latent frame's condition
     (mask + latents concatenated to the noise channels) and, through the CLIP image encoder, into
-    extra cross-attention tokens (diffusers' WanImageToVideoPipeline)."""
+    extra cross-attention tokens (diffusers' WanImageToVideoPipeline).
 
-    def check_image(self, request: GenerationRequest) -> None:
-        super().check_image(request)  # reads and converts the image (flowseam.media.read_image)
-        if len(request.prompts) != 1:
-            raise ValueError(f"{self.card.name} takes one image per request; got "
-                             f"{len(request.prompts)} prompts (run one request per image)")
+    A request of B prompts takes one image for all of them (as diffusers repeats it) or a list
+    of B images, one per prompt: sample ``k`` starts from ``image[k]``, and equals the request
+    of prompt ``k`` and image ``k`` alone with seed ``seeds[k]`` to float rounding (diffusers'
+    pipeline has no per-sample images; tested against it image by image). An RL group's
+    rollouts (one first frame per member) run as one batch this way."""
+
+    IMAGE_PER_SAMPLE = True
 
     def latent_channels(self) -> int:
         return int(self.components["vae"].config.z_dim)
@@ -241,18 +243,24 @@ class WanI2V(WanT2V):
         return params
 
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
+        """Text conditioning, plus ``extra["image"]`` (one PIL image, or one per prompt) and,
+        for Wan2.1 I2V, ``extra["image_embeds"] (B, 257, D)``: the CLIP vision encoder's
+        penultimate hidden states (diffusers' ``encode_image``), each image encoded once."""
         cond = super().encode(request, params)
-        image = load_image(request.image)
-        cond.extra["image"] = image
+        per_sample = isinstance(request.image, list)
+        images = [load_image(im) for im in request.image] if per_sample else [load_image(request.image)]
+        cond.extra["image"] = images if per_sample else images[0]
         if self.dit.config.image_dim is not None:  # Wan2.1 I2V (image_encoder checked at load)
             processor, encoder = self.components["image_processor"], self.components["image_encoder"]
-            pixels = processor(images=image, return_tensors="pt")
+            pixels = processor(images=images, return_tensors="pt")
             device = self.component_device("image_encoder")
             with torch.no_grad():
                 states = encoder(**{k: v.to(device) for k, v in pixels.items()},
                                  output_hidden_states=True).hidden_states[-2]
-            cond.extra["image_embeds"] = states.repeat(len(request.prompts), 1, 1).to(
-                self.component_device(self.DIT), self.component_dtype(self.DIT))
+            if not per_sample:
+                states = states.repeat(len(request.prompts), 1, 1)
+            cond.extra["image_embeds"] = states.to(self.component_device(self.DIT),
+                                                   self.component_dtype(self.DIT))
         return cond
 
     def prepare_latents(self, request: GenerationRequest, params: DiffusionParams,
@@ -262,16 +270,19 @@ class WanI2V(WanT2V):
         return latents
 
     def _image_condition(self, image, params: DiffusionParams, latents: torch.Tensor) -> torch.Tensor:
-        """``cat([mask (B, 4, F', h, w), normalised VAE mean of [image, zeros...]], dim=1)``."""
+        """``cat([mask (B, 4, F', h, w), normalised VAE mean of [image, zeros...]], dim=1)``;
+        ``image`` is one PIL image (repeated over the batch) or a list of B, encoded as one batch."""
         from PIL import Image
 
         vae = self.components["vae"]
         device, dtype = self.component_device("vae"), self.component_dtype("vae")
         H, W, F = params.height, params.width, params.num_frames
-        resized = image.resize((W, H), resample=Image.LANCZOS)  # diffusers' video_processor
-        pixels = torch.from_numpy(np.asarray(resized).astype(np.float32) / 255.0).permute(2, 0, 1)[None]
+        images = image if isinstance(image, list) else [image]
+        resized = [im.resize((W, H), resample=Image.LANCZOS) for im in images]  # diffusers' video_processor
+        pixels = torch.from_numpy(np.stack([np.asarray(im) for im in resized]).astype(np.float32)
+                                  / 255.0).permute(0, 3, 1, 2)
         pixels = pixels * 2.0 - 1.0
-        video = torch.cat([pixels[:, :, None], pixels.new_zeros(1, 3, F - 1, H, W)], dim=2)
+        video = torch.cat([pixels[:, :, None], pixels.new_zeros(len(images), 3, F - 1, H, W)], dim=2)
         with torch.no_grad():
             latent = vae.encode(video.to(device, dtype)).latent_dist.mode()
         mean, inv_std = (t.to(device, dtype) for t in self.latent_stats())
@@ -279,7 +290,9 @@ class WanI2V(WanT2V):
         B = latents.shape[0]
         mask = torch.zeros(B, self.vae_temporal_factor, *latents.shape[2:])
         mask[:, :, 0] = 1.0
-        return torch.cat([mask, latent.repeat(B, 1, 1, 1, 1).cpu()], dim=1).to(latents.device)
+        if len(images) == 1:
+            latent = latent.repeat(B, 1, 1, 1, 1)
+        return torch.cat([mask, latent.cpu()], dim=1).to(latents.device)
 
     def dit_inputs(self, latents: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, dict]:
         x = torch.cat([latents, cond.extra["condition"]], dim=1).to(self.component_dtype(self.DIT))

@@ -175,8 +175,8 @@ class Generator:
         if self.workflow:
             images, videos, frames = workflow_rollout(self.models["t2i"], self.models["i2v"], prompts,
                                                       seeds, self.sampling["t2i"], self.sampling["i2v"], sde)
-            return ([("t2i", images, slice(0, len(prompts)))]
-                    + [("i2v", v, slice(k, k + 1)) for k, v in enumerate(videos)]), frames
+            rows = slice(0, len(prompts))
+            return [("t2i", images, rows), ("i2v", videos, rows)], frames
         model = self.models["dit"]
         params = sampling_params(self.sampling["dit"]).replace(sde_rollout=sde)
         result = run_loop(model, GenerationRequest(list(prompts), model.card.task, params, seeds=seeds),

@@ -5,10 +5,10 @@ A plugin module of its own, registered through its own entry point in core's pyp
 (``workflow_rl = "flowseam.training.workflow_rl"``) exactly as a third-party method would be.
 
 Each step, per prompt: roll out the text-to-image stage (SDE, a group of ``group_size`` samples,
-each with its own seed), decode the images, roll out the image-to-video stage conditioned on each
-image (SDE), score the final videos with one reward, and use that one group-relative advantage
-for a Flow-GRPO update of *both* stages' transformers — the T2I model gets credit for images that
-lead to better videos. Each stage has its own trainer copy, optimizer and WeightSyncPlan, on two
+each with its own seed, as one batch), decode the images, roll out the image-to-video stage
+conditioned on each image (SDE, one batch: one first frame per sample), score the final videos
+with one reward, and use that one group-relative advantage for a Flow-GRPO update of *both*
+stages' transformers — the T2I model gets credit for images that lead to better videos. Each stage has its own trainer copy, optimizer and WeightSyncPlan, on two
 separate model instances (each with its own platform resolution).
 
 Config::
@@ -145,8 +145,8 @@ class WorkflowRL:
         self.last_stats: dict[str, Any] = {}
 
     def rollout_group(self, prompt: str, seeds: list[int], sde: bool = True):
-        """Stage 1 for the whole group, then stage 2 once per image. Returns
-        ``(t2i LoopResult (B=K), [i2v LoopResult (B=1)] * K, videos (K, F, H, W, 3))``."""
+        """Stage 1 for the whole group, then stage 2 for the whole group (one image each).
+        Returns ``(t2i LoopResult (B=K), i2v LoopResult (B=K), videos (K, F, H, W, 3))``."""
         return workflow_rollout(self.t2i, self.i2v, [prompt] * len(seeds), seeds,
                                 self.t2i_sampling, self.i2v_sampling, sde)
 
@@ -174,8 +174,7 @@ class WorkflowRL:
         t2i_traj, i2v_traj = [], []
         for (prompt, images, videos, _), a, g in zip(groups, self.shard.local(adv), self.shard.groups):
             t2i_traj.append(Trajectory(self.t2i, images, a, bool(trained[g])))
-            i2v_traj += [Trajectory(self.i2v, v, a[k:k + 1], bool(trained[g]))
-                         for k, v in enumerate(videos)]
+            i2v_traj.append(Trajectory(self.i2v, videos, a, bool(trained[g])))
         stats, per_rank = {}, {}
         with timer("update"):
             for stage, trajs in zip(self.stages, (t2i_traj, i2v_traj)):
@@ -222,21 +221,22 @@ class WorkflowRL:
 
 def workflow_rollout(t2i: ModelInstance, i2v: ModelInstance, prompts: list[str], seeds: list[int],
                      t2i_sampling: dict[str, Any], i2v_sampling: dict[str, Any], sde: bool = True):
-    """The t2i → i2v workflow for ``B`` samples: stage 1 as one batch (row ``k`` prompt
-    ``prompts[k]``, seed ``seeds[k]``), then stage 2 once per image (seed
-    ``derive_seed(seeds[k], 2)``). With ``sde`` both stages are SDE rollouts with records, else
-    served (ODE).
+    """The t2i → i2v workflow for ``B`` samples, each stage as one batch: stage 1 row ``k``
+    prompt ``prompts[k]``, seed ``seeds[k]``; stage 2 row ``k`` the same prompt, image ``k`` of
+    stage 1 as its first frame, seed ``derive_seed(seeds[k], 2)`` (each row equals its own B=1
+    run to float rounding: :class:`~flowseam.models.wan.WanI2V` takes one image per prompt).
+    With ``sde`` both stages are SDE rollouts with records, else served (ODE).
 
-    :returns: ``(t2i LoopResult (B), [i2v LoopResult (1)] * B, videos (B, F, H, W, 3))``.
+    :returns: ``(t2i LoopResult (B), i2v LoopResult (B), videos (B, F, H, W, 3))``.
     """
     profile = ExecutionProfile.ROLLOUT if sde else ExecutionProfile.SERVE
     p1 = sampling_params(t2i_sampling).replace(sde_rollout=sde)
     p2 = sampling_params(i2v_sampling).replace(sde_rollout=sde)
     images = run_loop(t2i, GenerationRequest(list(prompts), TaskType.T2I, p1, seeds=seeds), profile=profile)
-    videos = [run_loop(i2v, GenerationRequest(prompt, TaskType.I2V, p2, image=images.frames[k, 0],
-                                              seeds=[derive_seed(s, 2)]), profile=profile)
-              for k, (prompt, s) in enumerate(zip(prompts, seeds))]
-    return images, videos, torch.cat([torch.from_numpy(v.frames) for v in videos]).numpy()
+    videos = run_loop(i2v, GenerationRequest(list(prompts), TaskType.I2V, p2,
+                                             image=[images.frames[k, 0] for k in range(len(prompts))],
+                                             seeds=[derive_seed(s, 2) for s in seeds]), profile=profile)
+    return images, videos, videos.frames
 
 
 @hookimpl
