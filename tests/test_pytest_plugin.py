@@ -42,14 +42,6 @@ def test_registered_as_a_pytest11_entry_point_and_cheap_to_import():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
 
 
-def test_platform_fixture_runs_once_per_selected_backend(pytester):
-    pytester.makepyfile(PLATFORM_TEST)
-    result = pytester.runpytest_subprocess("--flowseam-backend", "cpu", "-v")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines_random(["*test_platform[[]cpu[]] PASSED*",
-                                        "flowseam backend cpu (flowseam-cpu *): available"])
-
-
 @pytest.mark.backends
 def test_default_is_every_installed_backend_unusable_ones_skipped_with_reason(pytester):
     with plugin_env() as reg:
@@ -89,8 +81,11 @@ def test_an_unknown_backend_is_a_usage_error_naming_the_installed_ones(pytester)
     result.stderr.fnmatch_lines(["*--flowseam-backend 'tpu9000'*not installed; installed backends: *cpu*"])
 
 
-def test_flowseam_cases_parametrizes_per_backend(pytester):
-    pytester.makepyfile("""
+def test_platform_fixture_and_flowseam_cases_run_per_selected_backend(pytester):
+    """One inner run (a pytest process with torch and the backends imported costs seconds):
+    the ``flowseam_platform`` fixture runs once per selected backend, and ``flowseam_cases``
+    parametrizes per backend, an empty case list skipping with its reason."""
+    pytester.makepyfile(test_platform=PLATFORM_TEST, test_cases="""
         import pytest
 
         def cases(backend):
@@ -106,8 +101,10 @@ def test_flowseam_cases_parametrizes_per_backend(pytester):
             raise AssertionError("never runs")
     """)
     result = pytester.runpytest_subprocess("--flowseam-backend", "cpu", "-v", "-rs")
-    result.assert_outcomes(passed=len(flowseam.ops.ALL_OPS), skipped=1)
-    result.stdout.fnmatch_lines_random(["*test_op[[]cpu-flow_sde_step[]] PASSED*",
+    result.assert_outcomes(passed=1 + len(flowseam.ops.ALL_OPS), skipped=1)
+    result.stdout.fnmatch_lines_random(["*test_platform[[]cpu[]] PASSED*",
+                                        "flowseam backend cpu (flowseam-cpu *): available",
+                                        "*test_op[[]cpu-flow_sde_step[]] PASSED*",
                                         "*nothing to check for flowseam backend 'cpu': no such thing*"])
 
 
