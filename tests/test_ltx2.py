@@ -368,13 +368,14 @@ def test_every_step_runs_the_platforms_kernel_and_components_fall_back_visibly(c
             proc._mode.attn = lambda q, k, v, attn_mask=None, scale=None: \
                 seen.append(q.shape) or attention(q, k, v, attn_mask, scale)
         # the text-only DiT values (flowseam.step_constants): caption projections, text K/V
+        # (video and audio); the 4 RoPE modules' cos/sin of the stage's coordinates
         watched = {id(m) for name, m in model.dit.named_modules()
                    if name.endswith(model.STEP_CONSTANTS)}
-        assert len(watched) == 2 + 2 * 3 * len(model.dit.transformer_blocks)  # video and audio
+        assert len(watched) == 2 + 2 * 3 * len(model.dit.transformer_blocks) + 4
         runs = []
         for cls in {type(m) for m in model.dit.modules() if id(m) in watched}:
-            monkeypatch.setattr(cls, "forward", lambda self, x, _f=cls.forward:
-                                runs.append(id(self)) or _f(self, x))
+            monkeypatch.setattr(cls, "forward", lambda self, x, _f=cls.forward, **kw:
+                                runs.append(id(self)) or _f(self, x, **kw))
         p = _params(num_steps=2, guidance_scale=1.0, audio_guidance_scale=1.0)
         result = flowseam.run_loop(model, flowseam.GenerationRequest(PROMPT, flowseam.TaskType.T2V, p),
                                    flowseam.ExecutionProfile.ROLLOUT)

@@ -8,7 +8,7 @@ are a third of a step's work (the profile in the README's benchmark section).
 
 :func:`install` gives the named submodules of a DiT a forward that, **inside**
 :func:`reuse_across_steps` and with gradients off, returns its previous output when it is called
-again with the same input: the very same tensor object, unchanged since (``Tensor._version``),
+again with the same input (and the same plain keyword arguments, e.g. ``device=``): the very same tensor object, unchanged since (``Tensor._version``),
 or a tensor of the same shape, strides and dtype with the same bits (compared as integers, a
 read of the input: far less than the matmul it saves). A hit is therefore exact — the same
 computation on the same bits — and the output is bit-identical to recomputing it. A different
@@ -63,17 +63,23 @@ def _same_input(x: torch.Tensor, seen: torch.Tensor, version: int) -> bool:
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+#: the keyword arguments a reused call may have, compared by ``==`` (LTX-2's RoPE modules take
+#: ``device=``); a call with any other keyword argument runs as usual
+_PLAIN = (str, int, float, bool, type(None), torch.device, torch.dtype)
+
+
 def _reusing_forward(self: torch.nn.Module, *args, **kwargs):
     outputs = getattr(_LOCAL, "outputs", None)
-    if outputs is None or kwargs or len(args) != 1 or not torch.is_tensor(args[0]) \
-            or torch.is_grad_enabled():
+    if outputs is None or len(args) != 1 or not torch.is_tensor(args[0]) \
+            or torch.is_grad_enabled() or not all(isinstance(v, _PLAIN) for v in kwargs.values()):
         return type(self).forward(self, *args, **kwargs)
     x = args[0]
     seen = outputs.get(id(self))
-    if seen is not None and _same_input(x, seen[0], seen[1]):
+    if seen is not None and seen[3] == kwargs and _same_input(x, seen[0], seen[1]):
         return seen[2]
-    out = type(self).forward(self, x)
-    outputs[id(self)] = (x, x._version, out)  # the last input per module (held: ids stay unique)
+    out = type(self).forward(self, x, **kwargs)
+    # the last input per module (held: ids stay unique)
+    outputs[id(self)] = (x, x._version, out, kwargs)
     return out
 
 

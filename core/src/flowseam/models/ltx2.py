@@ -116,10 +116,12 @@ class LTX2T2V(ModelInstance):
     """LTX-2 text-to-video with audio. See the module docstring for the state layout."""
 
     #: what LTX-2.0's DiT computes from the text alone (the caption projections, the text
-    #: cross-attention's keys and values, for video and audio): reused across the steps of a
-    #: stage (:mod:`flowseam.step_constants`); LTX-2.3's timestep-modulated prompt makes
-    #: different inputs at each step, which then simply run again
-    STEP_CONSTANTS = ("caption_projection", "attn2.to_k", "attn2.to_v", "attn2.norm_k")
+    #: cross-attention's keys and values, for video and audio) and from the stage's RoPE
+    #: coordinates alone (the cos/sin of ``rope``, ``audio_rope``, ``cross_attn_rope``,
+    #: ``cross_attn_audio_rope``; the coordinates are built once per stage, ``_stage_inputs``):
+    #: reused across the steps of a stage (:mod:`flowseam.step_constants`); LTX-2.3's
+    #: timestep-modulated prompt makes different inputs at each step, which then simply run again
+    STEP_CONSTANTS = ("caption_projection", "attn2.to_k", "attn2.to_v", "attn2.norm_k", "rope")
 
     # -- shapes -----------------------------------------------------------------------------------
     @property

@@ -47,7 +47,8 @@ def flowseam_component_kinds() -> tuple[str, ...]:
 def flowseam_build_component(kind: str, spec: ComponentSpec, device: str):
     """Every kind, with its real class, in float32 on the CPU; a Wan VAE with its convolutions
     on oneDNN and its RMS norms as sums of squares (:mod:`flowseam_cpu.wan_vae`); LTX-2's video
-    VAE and latent upsampler with their convolutions on oneDNN (:mod:`flowseam_cpu.ltx2`)."""
+    VAE and latent upsampler with their convolutions on oneDNN, its DiT's tanh-GELU as a sigmoid
+    (:mod:`flowseam_cpu.ltx2`)."""
     built = instantiate(spec, device="cpu", dtype=torch.float32)
     if kind == "vae":
         built = speed_up_wan_vae(built)
