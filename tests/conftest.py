@@ -17,10 +17,19 @@ PLUGIN_FIXTURES = sorted(p for p in (FIXTURES / "plugins").iterdir() if (p / "py
 
 def pip_install_target(packages: list[Path], target: Path) -> None:
     """``pip install --no-deps --no-build-isolation --target`` real packages (their dist-info
-    and entry points included) into ``target``."""
+    and entry points included) into ``target``: built by the test environment's setuptools and
+    installed with uv where the environment has it (scripts/setup-venv installs it; half of
+    pip's CPU seconds: 5.0 vs 11.1 s for the seven plugin fixtures), built afresh every time
+    (``--no-cache``: uv would otherwise serve a fixture whose source changed from its cache) and
+    offline; else with pip."""
+    uv = Path(sys.executable).with_name("uv")
+    if uv.is_file():
+        installer = [str(uv), "pip", "install", "--python", sys.executable, "--no-cache", "--offline"]
+    else:
+        installer = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--target", str(target), *map(str, packages)],
+        [*installer, "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target),
+         *map(str, packages)],
         check=True, capture_output=True, text=True)
 
 
