@@ -265,6 +265,13 @@ def test_workflow_feeds_the_generated_image_to_image_to_video(models, fixture_pl
     assert image.shape == (1, 1, 32, 32, 3) and video.shape == (1, 5, 32, 32, 3)
     direct = models["wan2.1-i2v"].generate("a dog", image=image[0, 0], params=i2v.replace(seed=5))
     assert np.array_equal(direct.frames, video)
+    # a list of prompts runs as one batch per stage: row k has seed 5 + k and its own image
+    batch = wf.run(["a dog", "a cat"], t2i_params=t2i, i2v_params=i2v, seed=5)
+    assert np.abs(batch.frames[:1] - video).max() <= 1e-5
+    cat = models["wan2.1-i2v"].generate("a cat", image=batch.stages[0].frames[1, 0],
+                                        params=i2v.replace(seed=6))
+    assert np.abs(batch.frames[1:] - cat.frames).max() <= 1e-5
+    assert np.abs(batch.frames[1] - batch.frames[0]).max() > 1e-3
     # each stage keeps its own platform: stage 2 on a backend whose vae is its own
     with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,testdev_a") as reg:
         i2v_platform = flowseam.Platform("testdev_a", registry=reg)

@@ -67,23 +67,28 @@ class Workflow:
         second = GenerationRequest(prompt, TaskType.I2V, i2v_params, image=image, seeds=[seed])
         return first, second
 
-    def run(self, prompt: str, *, t2i_params: DiffusionParams | None = None,
+    def run(self, prompt: str | list[str], *, t2i_params: DiffusionParams | None = None,
             i2v_params: DiffusionParams | None = None, seed: int = 0,
             profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
             step_callback: StepCallback | None = None) -> WorkflowResult:
         """Generate an image from ``prompt``, then a video starting from that image.
 
+        :param prompt: one prompt, or a list of B run as one batch per stage: sample ``k`` has
+            seed ``seed + k`` in both stages and starts its video from its own image (equal to
+            ``run(prompt[k], seed=seed + k)`` to float rounding).
         :param step_callback: passed to both stages' loops (``index`` and ``num_steps`` count
             each stage's own steps; see :data:`flowseam.loops.StepCallback`).
 
-        :returns: a :class:`WorkflowResult`; ``.stages[0].frames`` is the image
-            ``(1, 1, H, W, 3)``, ``.frames`` the video ``(1, F, H, W, 3)``, both in [0, 1].
+        :returns: a :class:`WorkflowResult`; ``.stages[0].frames`` is the images
+            ``(B, 1, H, W, 3)``, ``.frames`` the videos ``(B, F, H, W, 3)``, both in [0, 1].
         """
         first, second = self.requests(prompt, t2i_params or DiffusionParams(),
                                       i2v_params or DiffusionParams(), seed=seed)
+        if not isinstance(prompt, str):
+            first.seeds = second.seeds = [seed + k for k in range(len(first.prompts))]
         image = run_loop(self.t2i, first, profile=profile, progress=progress,
                          step_callback=step_callback)
-        second.image = image.frames[0, 0]
+        second.image = image.frames[0, 0] if isinstance(prompt, str) else list(image.frames[:, 0])
         video = run_loop(self.i2v, second, profile=profile, progress=progress,
                          step_callback=step_callback)
         return WorkflowResult([image, video])

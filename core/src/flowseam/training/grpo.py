@@ -112,18 +112,27 @@ class Trajectory:
 
     :ivar trained: whether the group this batch belongs to is trained on (False for a group with
         a NaN reward or zero reward std). None: when any of its advantages is non-zero. A method
-        whose batches hold part of a group (data parallelism, one image-to-video rollout per
-        member) sets it from the whole group, so a row whose own advantage is 0 still counts.
+        whose batches hold part of a group (data parallelism) sets it from the whole group, so a
+        row whose own advantage is 0 still counts. A batch that holds several groups (one
+        rollout for all of a step's groups) gives a ``(B,)`` bool tensor: each row's group's flag.
     """
 
     model: ModelInstance
     result: LoopResult
     advantages: torch.Tensor  # (B,)
-    trained: bool | None = None
+    trained: bool | torch.Tensor | None = None
+
+    @property
+    def rows_trained(self) -> torch.Tensor:
+        """``(B,)`` bool: the rows that are trained on (and counted in the loss's mean)."""
+        if isinstance(self.trained, torch.Tensor):
+            return self.trained.bool()
+        flag = bool((self.advantages != 0).any()) if self.trained is None else self.trained
+        return torch.full((len(self.advantages),), flag)
 
     @property
     def is_trained(self) -> bool:
-        return bool((self.advantages != 0).any()) if self.trained is None else self.trained
+        return bool(self.rows_trained.any())
 
 
 @dataclass
@@ -183,12 +192,13 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                dp: DataParallel | None = None, expert: str | None = None) -> UpdateStats:
     """Flow-GRPO's PPO update of ``policy`` on ``trajectories``.
 
-    The loss is the mean, over every row (sample) of every trained trajectory and every selected
+    The loss is the mean, over every trained row (sample) of every trajectory and every selected
     step, of the PPO clipped term plus ``beta`` × the KL to the reference. Per inner epoch:
     gradients accumulate over every trajectory and selected step, then one clipped optimizer
     step, then ``after_step()`` (a WeightSyncPlan's sync). On the first epoch no weight has
-    changed yet, so every ratio is 1. Trajectories that are not trained on
-    (:attr:`Trajectory.is_trained`) contribute nothing; with none left nothing is updated.
+    changed yet, so every ratio is 1. Rows that are not trained on
+    (:attr:`Trajectory.rows_trained`) contribute nothing and are left out of the stats; with
+    none left nothing is updated.
 
     Under data parallelism (``dp`` with several ranks; ``policy`` is what ``dp.wrap`` returned)
     every rank passes its own trajectories; the row count is summed over ranks, gradients are
@@ -212,7 +222,7 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
     trainable = [p for p in policy.parameters() if p.requires_grad]
     # Rows of untrained groups carry no signal; with none left (on any rank) there is no update
     # at all (an optimizer step on zero gradients would still apply weight decay).
-    n_rows = dp.sum(sum(len(t.advantages) for t in trajectories if t.is_trained))
+    n_rows = dp.sum(sum(int(t.rows_trained.sum()) for t in trajectories))
     if not n_rows:
         return stats
     work = trajectories if dp.world_size > 1 else [t for t in trajectories if t.is_trained]
@@ -233,6 +243,8 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
         for t_index, traj in enumerate(work):
             model, res = traj.model, traj.result
             adv = traj.advantages.to(res.latents.device)
+            mask = traj.rows_trained
+            weights = (mask.float() * row_weight).to(res.latents.device)
             for j in steps:
                 last = t_index == len(work) - 1 and j == steps[-1]
                 with dp.accumulate(policy, sync=last):
@@ -255,16 +267,16 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                         kl = ((out.mean - ref.mean) ** 2).flatten(1).mean(dim=1) / (2 * out.std ** 2)
                         rows = rows + cfg.beta * kl
                         if traj.is_trained:
-                            stats.kl_ref.append(float(kl.detach().mean()))
-                    (rows.sum() * (row_weight if traj.is_trained else 0.0)).backward()
+                            stats.kl_ref.append(float(kl.detach().cpu()[mask].mean()))
+                    (rows * weights).sum().backward()  # untrained rows: weight 0
                 if not traj.is_trained:
                     continue
-                detached = ratio.detach().cpu()
+                detached = ratio.detach().cpu()[mask]
                 stats.ratios.append(detached)
                 if epoch == 0:
                     stats.first_epoch_ratios.append(detached)
                 stats.clipped.append(float(((detached - 1.0).abs() > cfg.clip_range).float().mean()))
-                stats.approx_kl.append(float(0.5 * (log_ratio.detach() ** 2).mean()))
+                stats.approx_kl.append(float(0.5 * (log_ratio.detach().cpu()[mask] ** 2).mean()))
         stats.grad_norms.append(clip_gradients(trainable, cfg.max_grad_norm,
                                                f"PPO update (epoch {epoch})"))
         optimizer.step()

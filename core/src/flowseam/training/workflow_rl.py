@@ -18,6 +18,8 @@ Config::
     t2i_backend = "cpu"; i2v_backend = "cpu"   # optional
     prompts = [...]; reward = "brightness"; reward_args = {}
     group_size = 4; prompts_per_step = 1; steps = 10; seed = 0
+    rollout_batch_size = 8      # samples per rollout batch, across groups (default: one group);
+                                # the update recomputes each batch as one batch too
     output_dir = "runs/wf"; checkpoint_every = 0   # as flowgrpo's; each stage's model (and
                                                    # LoRA file) under t2i/ and i2v/
     [t2i_sampling] / [i2v_sampling]  num_steps, height, width, num_frames, guidance_scale,
@@ -59,6 +61,7 @@ from .config import (
     Name,
     OptimOverrides,
     OptimSection,
+    PositiveInt,
     merge_overrides,
     schema_defaults,
     validate_config,
@@ -91,6 +94,9 @@ class WorkflowRLConfig(GroupRLConfig):
     i2v_optim: OptimOverrides = OptimOverrides()
     lora: LoraSection = LoraSection()
     distributed: DistributedSection = DistributedSection()
+    #: samples per rollout batch (both stages), taken across groups in order (Flow-GRPO's
+    #: ``sample.train_batch_size``); None: one group. The update recomputes each batch as one.
+    rollout_batch_size: PositiveInt | None = None
 
 
 def _load(path: str | None, backend: str | None, what: str, dp: DataParallel) -> ModelInstance:
@@ -144,26 +150,32 @@ class WorkflowRL:
         self.skipped_groups = 0
         self.last_stats: dict[str, Any] = {}
 
-    def rollout_group(self, prompt: str, seeds: list[int], sde: bool = True):
-        """Stage 1 for the whole group, then stage 2 for the whole group (one image each).
-        Returns ``(t2i LoopResult (B=K), i2v LoopResult (B=K), videos (K, F, H, W, 3))``."""
-        return workflow_rollout(self.t2i, self.i2v, [prompt] * len(seeds), seeds,
-                                self.t2i_sampling, self.i2v_sampling, sde)
-
     schema = WorkflowRLConfig
     check_world_size = classmethod(FlowGRPO.check_world_size.__func__)
+
+    def batches(self, n_rows: int, group: int) -> list[slice]:
+        """``n_rows`` samples (groups of ``group`` in order) → the row slices rolled out as one
+        batch each: ``rollout_batch_size`` rows (default ``group``), the last one shorter."""
+        size = self.config["rollout_batch_size"] or group
+        return [slice(start, min(start + size, n_rows)) for start in range(0, n_rows, size)]
 
     def train_step(self) -> dict[str, Any]:
         timer = Timer()
         cfg = self.config
-        groups = []
-        with timer("rollout"):  # this rank's members of each group it holds (all on one process)
-            for i, members in self.shard.parts():
-                prompt = cfg["prompts"][(self.step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
-                seeds = [derive_seed(cfg["seed"], self.step, i, k) for k in members]
-                groups.append((prompt, *self.rollout_group(prompt, seeds)))
+        parts = self.shard.parts()  # this rank's members of each group it holds
+        prompts, seeds = [], []
+        for i, members in parts:
+            prompt = cfg["prompts"][(self.step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
+            prompts += [prompt] * len(members)
+            seeds += [derive_seed(cfg["seed"], self.step, i, k) for k in members]
+        K = len(parts[0][1])
+        batches = self.batches(len(prompts), K)
+        with timer("rollout"):
+            rollouts = [workflow_rollout(self.t2i, self.i2v, prompts[b], seeds[b], self.t2i_sampling,
+                                         self.i2v_sampling) for b in batches]
         with timer("reward"):
-            local = torch.stack([score(self.reward, [p] * len(videos), videos) for p, _, _, videos in groups])
+            local = torch.cat([score(self.reward, prompts[b], videos)
+                               for b, (_, _, videos) in zip(batches, rollouts)]).view(len(parts), K)
             rewards = self.shard.gather(local)  # (G, K) on every rank: whole groups
         adv, valid, adv_stats = group_advantages(rewards, self.grpo)
         if adv_stats["groups_skipped_nan"]:
@@ -171,10 +183,13 @@ class WorkflowRL:
             warnings.warn(f"step {self.step}: reward returned NaN for {adv_stats['groups_skipped_nan']} "
                           "group(s); skipped them", stacklevel=2)
         trained = (adv != 0).any(dim=1)  # groups with a finite reward and a non-zero std
-        t2i_traj, i2v_traj = [], []
-        for (prompt, images, videos, _), a, g in zip(groups, self.shard.local(adv), self.shard.groups):
-            t2i_traj.append(Trajectory(self.t2i, images, a, bool(trained[g])))
-            i2v_traj.append(Trajectory(self.i2v, videos, a, bool(trained[g])))
+        # every row gets its group's advantage row and flag (a batch may hold several groups)
+        row_adv = self.shard.local(adv).reshape(-1)
+        row_trained = trained[self.shard.groups.start:self.shard.groups.stop].repeat_interleave(K)
+        t2i_traj = [Trajectory(self.t2i, images, row_adv[b], row_trained[b])
+                    for b, (images, _, _) in zip(batches, rollouts)]
+        i2v_traj = [Trajectory(self.i2v, videos, row_adv[b], row_trained[b])
+                    for b, (_, videos, _) in zip(batches, rollouts)]
         stats, per_rank = {}, {}
         with timer("update"):
             for stage, trajs in zip(self.stages, (t2i_traj, i2v_traj)):
@@ -211,12 +226,17 @@ class WorkflowRL:
                 "exported": self.files.exported_paths()}
 
     def evaluate(self, seeds: list[int], prompts: list[str] | None = None) -> torch.Tensor:
-        """Mean final-video reward per seed with ODE (serve) sampling: ``(len(seeds),)``."""
+        """Mean final-video reward per seed over the prompts, with ODE (serve) sampling:
+        ``(len(seeds),)``. Each prompt with every seed, in batches as the rollouts."""
+        prompts = list(prompts or self.config["prompts"])
+        rows = [(p, s) for p in prompts for s in seeds]
         out = []
-        for prompt in prompts or self.config["prompts"]:
-            _, _, videos = self.rollout_group(prompt, list(seeds), sde=False)
-            out.append(score(self.reward, [prompt] * len(seeds), videos))
-        return torch.stack(out).mean(dim=0)
+        for b in self.batches(len(rows), len(seeds)):
+            _, _, videos = workflow_rollout(self.t2i, self.i2v, [p for p, _ in rows[b]],
+                                            [s for _, s in rows[b]], self.t2i_sampling,
+                                            self.i2v_sampling, sde=False)
+            out.append(score(self.reward, [p for p, _ in rows[b]], videos))
+        return torch.cat(out).view(len(prompts), len(seeds)).mean(dim=0)
 
 
 def workflow_rollout(t2i: ModelInstance, i2v: ModelInstance, prompts: list[str], seeds: list[int],
