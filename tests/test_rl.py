@@ -439,3 +439,30 @@ def test_workflow_rl_gives_both_stages_the_same_advantage(ckpts, cpu, monkeypatc
     wf.train_step()
     assert seen["t2i"].shape == (3,) and torch.equal(seen["t2i"], seen["i2v"])
     assert seen["t2i"].abs().sum() > 0
+
+
+def test_workflow_rl_batches_across_groups_as_it_does_group_by_group(ckpts, cpu):
+    """``rollout_batch_size = 4`` rolls out two groups of two as one batch and recomputes it as
+    one: the same rewards and the same gradients (norms before clipping) as one batch per group.
+    One group's reward has no spread: its rows weigh nothing and are not counted in the mean."""
+    def reward(prompts, videos):  # "a box": constant (zero std, not trained); "a ball": brightness
+        return torch.tensor([0.5 if p == "a box" else float(v.mean()) for p, v in zip(prompts, videos)])
+
+    records = {}
+    for batch in (None, 4):
+        wf = WorkflowRL(dict(prompts=["a ball", "a box"], prompts_per_step=2, group_size=2, steps=1,
+                             seed=2, rollout_batch_size=batch,
+                             t2i_sampling=dict(num_steps=2, height=32, width=32, max_sequence_length=16),
+                             i2v_sampling=dict(num_steps=2, height=32, width=32, num_frames=5),
+                             grpo=dict(beta=0.0, clip_range=0.2), optim=dict(lr=1e-3)),
+                        t2i=flowseam.load(ckpts["flux.1-t2i"], platform=cpu),
+                        i2v=flowseam.load(ckpts["wan2.1-i2v"], platform=cpu), reward=reward)
+        records[batch] = wf.train_step()
+        # the trained group's 2 rows at each of the 2 SDE steps, whatever the batching
+        assert [len(r) for r in wf.last_stats["i2v"].ratios] == [2, 2], batch
+    per_group, batched = records[None], records[4]
+    assert per_group["frac_zero_std_groups"] == batched["frac_zero_std_groups"] == 0.5
+    assert batched["reward_mean"] == pytest.approx(per_group["reward_mean"], abs=1e-6)
+    for stage in ("t2i", "i2v"):
+        assert per_group[f"{stage}_grad_norm"] > 0
+        assert batched[f"{stage}_grad_norm"] == pytest.approx(per_group[f"{stage}_grad_norm"], rel=1e-4)
