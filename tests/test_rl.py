@@ -266,8 +266,8 @@ def test_informative_reward_beats_the_constant_reward_control(ckpts, cpu):
 
 def test_workflow_rl_trains_both_stages_from_the_video_reward(ckpts, cpu):
     wf = WorkflowRL(dict(prompts=["a ball"], reward="brightness", group_size=2, steps=1, seed=0,
-                         t2i_sampling=dict(num_steps=3, height=32, width=32, max_sequence_length=16),
-                         i2v_sampling=dict(num_steps=3, height=32, width=32, num_frames=5),
+                         t2i_sampling=dict(num_steps=2, height=32, width=32, max_sequence_length=16),
+                         i2v_sampling=dict(num_steps=2, height=32, width=32, num_frames=5),
                          grpo=dict(beta=0.04, clip_range=0.2), optim=dict(lr=1e-3, weight_decay=0.0),
                          t2i_optim=dict(lr=2e-4)),
                     t2i=flowseam.load(ckpts["flux.1-t2i"], platform=cpu),
@@ -418,11 +418,17 @@ def test_yaml_and_toml_configs_load_alike(tmp_path):
         load_config(tmp_path / "b.json")
 
 
-def test_workflow_rl_gives_both_stages_the_same_advantage(ckpts, cpu, monkeypatch):
+def test_workflow_rl_batches_across_groups_as_it_does_group_by_group(ckpts, cpu, monkeypatch):
+    """``rollout_batch_size = 4`` rolls out two groups of two as one batch and recomputes it as
+    one: the same rewards and the same gradients (norms before clipping) as one batch per group.
+    One group's reward has no spread: its rows weigh nothing and are not counted in the mean.
+    Both stages get the same advantages (one reward on the final video)."""
     import flowseam.training.workflow_rl as wrl
 
-    seen = {}
-    real = wrl.ppo_update
+    def reward(prompts, videos):  # "a box": constant (zero std, not trained); "a ball": brightness
+        return torch.tensor([0.5 if p == "a box" else float(v.mean()) for p, v in zip(prompts, videos)])
+
+    seen, real = {}, wrl.ppo_update
 
     def spy(policy, reference, trajectories, *a, **k):
         stage = "t2i" if trajectories[0].model is wf.t2i else "i2v"
@@ -430,24 +436,6 @@ def test_workflow_rl_gives_both_stages_the_same_advantage(ckpts, cpu, monkeypatc
         return real(policy, reference, trajectories, *a, **k)
 
     monkeypatch.setattr(wrl, "ppo_update", spy)
-    wf = WorkflowRL(dict(prompts=["a ball"], reward="brightness", group_size=3, steps=1, seed=1,
-                         t2i_sampling=dict(num_steps=2, height=32, width=32, max_sequence_length=16),
-                         i2v_sampling=dict(num_steps=2, height=32, width=32, num_frames=5),
-                         grpo=dict(beta=0.0, clip_range=0.2)),
-                    t2i=flowseam.load(ckpts["flux.1-t2i"], platform=cpu),
-                    i2v=flowseam.load(ckpts["wan2.1-i2v"], platform=cpu))
-    wf.train_step()
-    assert seen["t2i"].shape == (3,) and torch.equal(seen["t2i"], seen["i2v"])
-    assert seen["t2i"].abs().sum() > 0
-
-
-def test_workflow_rl_batches_across_groups_as_it_does_group_by_group(ckpts, cpu):
-    """``rollout_batch_size = 4`` rolls out two groups of two as one batch and recomputes it as
-    one: the same rewards and the same gradients (norms before clipping) as one batch per group.
-    One group's reward has no spread: its rows weigh nothing and are not counted in the mean."""
-    def reward(prompts, videos):  # "a box": constant (zero std, not trained); "a ball": brightness
-        return torch.tensor([0.5 if p == "a box" else float(v.mean()) for p, v in zip(prompts, videos)])
-
     records = {}
     for batch in (None, 4):
         wf = WorkflowRL(dict(prompts=["a ball", "a box"], prompts_per_step=2, group_size=2, steps=1,
@@ -458,6 +446,8 @@ def test_workflow_rl_batches_across_groups_as_it_does_group_by_group(ckpts, cpu)
                         t2i=flowseam.load(ckpts["flux.1-t2i"], platform=cpu),
                         i2v=flowseam.load(ckpts["wan2.1-i2v"], platform=cpu), reward=reward)
         records[batch] = wf.train_step()
+        assert seen["t2i"].shape == (4,) and torch.equal(seen["t2i"], seen["i2v"])
+        assert seen["t2i"][:2].abs().sum() > 0 and not seen["t2i"][2:].any()  # "a box": 0
         # the trained group's 2 rows at each of the 2 SDE steps, whatever the batching
         assert [len(r) for r in wf.last_stats["i2v"].ratios] == [2, 2], batch
     per_group, batched = records[None], records[4]
