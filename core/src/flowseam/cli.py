@@ -657,7 +657,14 @@ def build_parser() -> argparse.ArgumentParser:
 EXIT_USAGE, EXIT_PLUGIN_FAULT, EXIT_TERMINATED = 2, 3, 128 + signal.SIGTERM
 
 
+#: Set by the SIGTERM handler. The ``SystemExit`` it raises unwinds the command, unless the
+#: handler happened to run inside a finalizer (``__del__``, a weakref callback), where CPython
+#: prints the exception and drops it; :func:`main` then still exits 143, never 0.
+_sigterm_received = threading.Event()
+
+
 def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: temporary files are removed
+    _sigterm_received.set()
     raise SystemExit(EXIT_TERMINATED)
 
 
@@ -695,11 +702,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     enable_notices()  # a backend compiling on its first call says so (flowseam.console.long_wait)
     previous = None
     if threading.current_thread() is threading.main_thread():
+        _sigterm_received.clear()
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's final flush
-        return status
+        # a SIGTERM whose SystemExit a finalizer swallowed: the work finished (outputs whole,
+        # no temporary file), but the process was told to stop, and says so
+        return EXIT_TERMINATED if _sigterm_received.is_set() else status
     except PluginFaultError as exc:
         print(f"flowseam: plugin fault: {exc}", file=sys.stderr)
         return EXIT_PLUGIN_FAULT
