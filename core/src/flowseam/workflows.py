@@ -60,11 +60,15 @@ class Workflow:
                                **video_only),
                 params.replace(max_sequence_length=None))
 
-    def requests(self, prompt: str, t2i_params: DiffusionParams, i2v_params: DiffusionParams,
-                 image: Any = None, seed: int = 0) -> tuple[GenerationRequest, GenerationRequest]:
-        """The two stage requests; the I2V image is filled in from stage 1 (size: stage 2's)."""
-        first = GenerationRequest(prompt, TaskType.T2I, t2i_params, seeds=[seed])
-        second = GenerationRequest(prompt, TaskType.I2V, i2v_params, image=image, seeds=[seed])
+    def requests(self, prompt: str | list[str], t2i_params: DiffusionParams,
+                 i2v_params: DiffusionParams, image: Any = None,
+                 seed: int = 0) -> tuple[GenerationRequest, GenerationRequest]:
+        """The two stage requests; the I2V image is filled in from stage 1 (size: stage 2's).
+        One prompt has seed ``seed``; a list of B prompts seeds ``seed + k`` for row ``k``, in
+        both stages."""
+        seeds = [seed] if isinstance(prompt, str) else [seed + k for k in range(len(prompt))]
+        first = GenerationRequest(prompt, TaskType.T2I, t2i_params, seeds=seeds)
+        second = GenerationRequest(prompt, TaskType.I2V, i2v_params, image=image, seeds=list(seeds))
         return first, second
 
     def run(self, prompt: str | list[str], *, t2i_params: DiffusionParams | None = None,
@@ -84,8 +88,6 @@ class Workflow:
         """
         first, second = self.requests(prompt, t2i_params or DiffusionParams(),
                                       i2v_params or DiffusionParams(), seed=seed)
-        if not isinstance(prompt, str):
-            first.seeds = second.seeds = [seed + k for k in range(len(first.prompts))]
         image = run_loop(self.t2i, first, profile=profile, progress=progress,
                          step_callback=step_callback)
         second.image = image.frames[0, 0] if isinstance(prompt, str) else list(image.frames[:, 0])

@@ -8,8 +8,9 @@ Each step, per prompt: roll out the text-to-image stage (SDE, a group of ``group
 each with its own seed, as one batch), decode the images, roll out the image-to-video stage
 conditioned on each image (SDE, one batch: one first frame per sample), score the final videos
 with one reward, and use that one group-relative advantage for a Flow-GRPO update of *both*
-stages' transformers — the T2I model gets credit for images that lead to better videos. Each stage has its own trainer copy, optimizer and WeightSyncPlan, on two
-separate model instances (each with its own platform resolution).
+stages' transformers — the T2I model gets credit for images that lead to better videos. Each
+stage has its own trainer copy, optimizer and WeightSyncPlan, on two separate model instances
+(each with its own platform resolution).
 
 Config::
 
@@ -232,10 +233,11 @@ class WorkflowRL:
         rows = [(p, s) for p in prompts for s in seeds]
         out = []
         for b in self.batches(len(rows), len(seeds)):
-            _, _, videos = workflow_rollout(self.t2i, self.i2v, [p for p, _ in rows[b]],
+            batch_prompts = [p for p, _ in rows[b]]
+            _, _, videos = workflow_rollout(self.t2i, self.i2v, batch_prompts,
                                             [s for _, s in rows[b]], self.t2i_sampling,
                                             self.i2v_sampling, sde=False)
-            out.append(score(self.reward, [p for p, _ in rows[b]], videos))
+            out.append(score(self.reward, batch_prompts, videos))
         return torch.cat(out).view(len(prompts), len(seeds)).mean(dim=0)
 
 
