@@ -1,19 +1,20 @@
 """Compile once per module and input signature; book compile seconds apart from run seconds.
 
 ``torch.compile`` is lazy. The first call with a new input *signature* (shapes, dtypes, devices,
-grad mode) traces the function with
-dynamo and generates code with inductor, then runs it; later calls with the same signature only
-check the guards and run the generated code. So a compiled component costs its compile time once
-per signature, and that cost must not be mistaken for its speed.
+grad mode) traces the function with dynamo and generates code with inductor, then runs it; later
+calls with the same signature only check the guards and run the generated code. So a compiled
+component costs its compile time once per signature, and that cost must not be mistaken for its
+speed.
 
 How the two are separated
-    Every compiled entry point of accel (the DiT's blocks, the solver kernels) is wrapped in a :class:`Timed`, which times each call with ``time.perf_counter`` and
-    reads dynamo's own counters of built graphs and converted frames
-    (``torch._dynamo.utils.counters["stats"]["unique_graphs"]`` and ``["frames"]["total"]``)
-    before and after. A call during which dynamo built a graph is booked as **compile** time, and its input signature is recorded; every other call is booked as **run**
-    time. A compile call's seconds include its one execution (separating them would mean running
-    twice); on CUDA it synchronizes the device before stopping the clock, while run calls do not
-    (their seconds are host-side launch time, like any asynchronous CUDA call).
+    Every compiled entry point of accel (the DiT's blocks, the solver kernels) is wrapped in a
+    :class:`Timed`, which times each call with ``time.perf_counter`` and reads dynamo's own counters
+    of built graphs and converted frames (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``
+    and ``["frames"]["total"]``) before and after. A call during which dynamo built a graph is
+    booked as **compile** time, and its input signature is recorded; every other call is booked as
+    **run** time. A compile call's seconds include its one execution (separating them would mean
+    running twice); on CUDA it synchronizes the device before stopping the clock, while run calls do
+    not (their seconds are host-side launch time, like any asynchronous CUDA call).
 
     Caveat: the counter is process-wide, so a *different* compiled function compiling in another
     thread during one of ours is booked to ours.

@@ -24,9 +24,9 @@ compiled in place.
     cache state a graph of its own: four signatures per video shape, 676 s of a 782 s cold start
     on two CPU cores and 54 s of a warm-cache start, again for every new frame count. cpu's
     eager build runs its convolutions on oneDNN (``flowseam_cpu.wan_vae``) and has nothing to
-    compile (accel/cpu with it: ``bench/backends.py``, in the README's benchmark table). So ``vae`` is not among
-    :func:`flowseam_accel.plugin.flowseam_component_kinds`; the platform builds it on cpu and
-    records the fallback (``platform.explain()``, ``model.provenance()`` says "(fallback)").
+    compile (accel/cpu with it: ``bench/backends.py``, in the README's benchmark table). So
+    ``vae`` is not among :func:`flowseam_accel.plugin.flowseam_component_kinds`; the platform
+    builds it on cpu and records the fallback (``platform.explain()``, ``model.provenance()`` says "(fallback)").
     On a CUDA host that keeps the VAE on the CPU, next to the text encoder; a GPU backend that
     wants the VAE on the device builds it itself (flowseam-cuda does).
 
