@@ -16,7 +16,10 @@ and dynamo's own count of graphs built.
 ``--cold`` points ``TORCHINDUCTOR_CACHE_DIR`` at a fresh empty directory before torch is
 imported, so the start pays the full inductor compile (reproducible whatever ran before); then
 the same command is run again in a new process on that now filled directory (``--cache-dir``),
-which is the warm-cache start a user sees in every later process. Without either option the
+which is the warm-cache start a user sees in every later process (the DiT blocks' no-grad calls
+load their AOTInductor packages from that directory, ``flowseam_accel.aot``; "graphs built"
+counts dynamo's graphs only, a loaded or built package counts as a compiled signature). Without
+either option the
 default cache directory is used as it is. Inductor compiles with one thread
 (``TORCHINDUCTOR_COMPILE_THREADS=1``, unless set), so the CPU seconds printed next to the wall
 seconds include the C++ compiler's: on a shared machine they are the figure that does not

@@ -324,6 +324,50 @@ def test_a_first_call_says_it_may_compile_when_notices_are_on(accel, tiny_wan, m
     assert capsys.readouterr().err == ""
 
 
+def test_no_grad_calls_run_an_aot_package_a_new_model_loads_without_tracing(accel, cpu, tiny_wan):
+    """flowseam_accel.aot: a block's no-grad call runs its AOTInductor package, the attention
+    modules called back eagerly (still through the platform's kernel); a new model of the same
+    config (as in a new process) loads that package from disk and dynamo traces nothing; a
+    batch size outside a package's size pattern gets a package of its own, never a wrong one."""
+    from pathlib import Path
+
+    from flowseam.attention import route_attention
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
+    ref = cpu.build_component("dit", spec)
+    route_attention(ref, cpu.kernels.get(ops.ATTENTION))
+
+    def routed_dit():
+        dit = accel.build_component("dit", spec)
+        route_attention(dit, accel.kernels.get(ops.ATTENTION))
+        return dit
+
+    def inputs(batch):
+        return (_rand(batch, ref.config.in_channels, 1, 8, 8, seed=30), torch.tensor([700.0] * batch),
+                _rand(batch, 6, ref.config.text_dim, seed=31))
+
+    name = "dit:transformer.WanTransformerBlock"
+    with torch.no_grad():
+        routed_dit()(*inputs(1), return_dict=False)   # builds the package (or loads it)
+        graphs, before = _graphs_built(), _entry(name)
+        dit = routed_dit()
+        procs = list(dit.attn_processors.values())
+        sdpa_calls = sum(p._mode.calls for p in procs)
+        out = dit(*inputs(1), return_dict=False)[0]
+        want = ref(*inputs(1), return_dict=False)[0]
+        assert _graphs_built() == graphs                          # dynamo traced nothing
+        assert _entry(name)["compiles"] - before["compiles"] == 1  # the load, booked once
+        assert (out - want).abs().max().item() < 1e-4
+        assert sum(p._mode.calls for p in procs) - sdpa_calls == 4   # 2 blocks x 2 attentions
+        out, want = dit(*inputs(2), return_dict=False)[0], ref(*inputs(2), return_dict=False)[0]
+    assert out.shape[0] == 2 and (out - want).abs().max().item() < 1e-4
+    assert _graphs_built() == graphs
+    assert _entry(name)["compiles"] - before["compiles"] == 2     # batch 2: its own package
+    packages = sorted((Path(cache_dir()) / "flowseam_accel_aot").glob("*.pt2"))
+    assert len(packages) >= 2 and all(p.with_suffix(".json").is_file() for p in packages)
+
+
 def test_a_dit_without_repeated_blocks_is_compiled_whole(accel):
     """The fallback of regional compilation: a model that lists no ``_repeated_blocks``."""
     from flowseam_accel.components import compile_repeated_blocks

@@ -49,6 +49,19 @@ def reuse_across_steps() -> Iterator[None]:
         _LOCAL.outputs = None
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Within this block, installed submodules run as usual even inside a scope, and store
+    nothing in it (accel's AOT export runs attention modules on fake tensors, which must neither
+    hit nor fill the scope's outputs). The scope's outputs are as before afterwards."""
+    saved = getattr(_LOCAL, "outputs", None)
+    _LOCAL.outputs = None
+    try:
+        yield
+    finally:
+        _LOCAL.outputs = saved
+
+
 def _same_input(x: torch.Tensor, seen: torch.Tensor, version: int) -> bool:
     """``x`` is the tensor seen before, unchanged, or one with the same layout and the same
     bits (a view the DiT cut again from a new concatenation of the same values)."""

@@ -81,12 +81,24 @@ def reset_compile_report() -> None:
         _ENTRIES.clear()
 
 
+_AOT_EVENTS = 0  # AOTInductor packages built or loaded (flowseam_accel.aot)
+
+
+def count_compile_event() -> None:
+    """Book that the current call built or loaded compiled code outside dynamo (an AOTInductor
+    package, :mod:`flowseam_accel.aot`)."""
+    global _AOT_EVENTS
+    with _LOCK:
+        _AOT_EVENTS += 1
+
+
 def _compile_events() -> int:
     """Graphs dynamo has built plus frames it has converted in this process (fullgraph
-    compiles count only the former, graph-breaking ones both; either growing means work)."""
+    compiles count only the former, graph-breaking ones both; either growing means work), plus
+    AOTInductor packages built or loaded."""
     from torch._dynamo.utils import counters  # imported by torch.compile already
 
-    return counters["stats"]["unique_graphs"] + counters["frames"]["total"]
+    return counters["stats"]["unique_graphs"] + counters["frames"]["total"] + _AOT_EVENTS
 
 
 _DTYPE_SHORT = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",

@@ -17,6 +17,14 @@ compiled in place.
     same class, with its ``config``, parameters and attention processors, and loops call it as
     before. Compile and run seconds are booked per block class (``"dit:transformer.WanTransformerBlock"``).
 
+    A block's call without gradients (generation, serving, RL rollouts) runs an AOTInductor
+    package of the block instead (:mod:`flowseam_accel.aot`): the same computation, compiled
+    ahead of time with the parameters as inputs and the attention modules called back eagerly,
+    cached on disk, so a later process loads it in milliseconds instead of tracing the block
+    with dynamo (the warm-cache start in ``bench/backends.py --cold``). Calls with gradients (a
+    trainer's recompute), adapters (peft layers), hooks, stateful attention processors (the
+    causal KV cache) or a non-CPU device take the ``torch.compile`` path described above.
+
 ``vae`` is not built here: it falls back to cpu
     accel compiled a VAE's ``encoder`` and ``decoder`` until 2026-12 and stopped. The Wan VAE's
     causal conv3d does not lower with symbolic sizes, so those graphs were shape-specialized,
@@ -50,6 +58,7 @@ import torch
 from flowseam import ComponentSpec
 from flowseam.components import instantiate
 
+from . import aot
 from .compiled import compile_module
 from .device import torch_device
 
@@ -74,8 +83,11 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str) -> torch.nn.Modu
     blocks = [m for m in module.modules() if type(m).__name__ in repeated]
     if not blocks:
         return compile_module(module, name, **_COMPILE_OPTIONS)
+    packages: dict[type, dict] = {}  # AOTInductor packages, shared by the blocks of a class
     for block in blocks:
-        compile_module(block, f"{name}.{type(block).__name__}", **_COMPILE_OPTIONS)
+        entry = f"{name}.{type(block).__name__}"
+        timed = compile_module(block, entry, **_COMPILE_OPTIONS)._compiled_call_impl
+        timed.fn = aot.dispatcher(block, entry, packages.setdefault(type(block), {}), timed.fn)
     return module
 
 
