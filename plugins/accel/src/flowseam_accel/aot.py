@@ -341,7 +341,13 @@ class AOTBlock:
                 meta = path.with_suffix(".json")
                 if not meta.exists():
                     break
-                package = _Package(path, json.loads(meta.read_text()))
+                try:
+                    package = _Package(path, json.loads(meta.read_text()))
+                except Exception as exc:  # noqa: BLE001 - damaged or from another build: redo
+                    self._say(f"accel: recompiling {self.name}: its cached package {path} does "
+                              f"not load ({type(exc).__name__})")
+                    meta.unlink(missing_ok=True)
+                    break
                 self._packages.setdefault(fast, []).append(package)
                 if package.accepts(shapes):
                     _count_event()
