@@ -195,16 +195,17 @@ def compile_function(fn: Callable, name: str, **options: Any) -> Timed:
 
 
 def compile_module(module: torch.nn.Module, name: str, **options: Any) -> torch.nn.Module:
-    """Compile ``module`` in place with ``nn.Module.compile(**options)`` and time its calls.
+    """Compile ``module`` in place, as ``nn.Module.compile(**options)`` does, and time its calls.
 
     In place means the object keeps its class, config, parameters and methods (``isinstance``,
     ``module.config``, ``state_dict()`` all as before); only ``module(...)`` runs compiled code.
     ``nn.Module.compile`` stores ``torch.compile(module._call_impl)`` in
-    ``module._compiled_call_impl``, which ``module.__call__`` prefers; we wrap that callable in a
-    :class:`Timed` (hooks registered on the module still run inside the compiled region).
+    ``module._compiled_call_impl``, which ``module.__call__`` prefers (hooks registered on the
+    module still run inside the compiled region). We store there a :class:`Timed` that creates
+    that ``torch.compile`` wrapper on its first call (:func:`compile_function`): creating it
+    imports inductor (about 2 CPU s), which a process whose calls all run AOTInductor packages
+    (:mod:`flowseam_accel.aot`) never needs. ``copy.deepcopy`` drops the attribute, as for
+    ``nn.Module.compile``.
     """
-    module.compile(**options)
-    compiled_call = getattr(module, "_compiled_call_impl", None)
-    if compiled_call is not None:  # the attribute nn.Module.compile sets (torch >= 2.2)
-        module._compiled_call_impl = Timed(name, compiled_call)
+    module._compiled_call_impl = compile_function(module._call_impl, name, **options)
     return module
