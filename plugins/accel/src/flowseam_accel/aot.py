@@ -12,8 +12,8 @@ Why
 What is compiled
     The block's own computation (modulation, norms, residuals, feed-forward) with **the
     parameters as inputs** (``torch.func.functional_call``), so one package serves every block of
-    the class, a weight sync or an adapter hot-swap that copies new values in needs no new
-    package, and nothing of a checkpoint is written to disk. Each **attention module** of the
+    the class, a weight sync that copies new values in needs no new package (an adapter adds
+    peft modules: those calls take the ``torch.compile`` path, see below), and nothing of a checkpoint is written to disk. Each **attention module** of the
     block (every submodule with an attention ``processor``) stays out of the graph: the package
     calls back into Python through the custom op ``flowseam_accel::block_attention`` (the
     block's index and the module's name are its arguments), which runs that module eagerly, with
@@ -49,6 +49,7 @@ Where
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -69,6 +70,16 @@ _BLOCKS: list[weakref.ref] = []      # a block's index (its tensor argument to t
 _EXPORTING = threading.local()      # during an export: the block traced, outputs' structures
 _SIMPLE = (int, float, bool, str, type(None))
 _FAILED = object()                  # an export failed for this call structure
+_MAX_PATTERNS = 16                  # size patterns (packages) kept per key
+
+
+class Packages:
+    """The packages the blocks of one class (in one model) have loaded: per call structure a
+    list of packages (or :data:`_FAILED`), and the paths already loaded."""
+
+    def __init__(self) -> None:
+        self.by_call: dict[tuple, list] = {}
+        self.paths: set[Path] = set()
 
 
 def enabled() -> bool:
@@ -179,16 +190,25 @@ def _attention_names(block: torch.nn.Module) -> list[str]:
     return names
 
 
+def _settings(module: torch.nn.Module) -> tuple:
+    """The module's plain attributes (``eps``, ``approximate``, ``normalized_shape``,
+    ``training``, ...): the export freezes them into the package, so they are part of its key."""
+    return tuple((k, v) for k, v in module.__dict__.items()
+                 if not k.startswith("_") and (isinstance(v, _SIMPLE) or (
+                     isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v))))
+
+
 def _state(module: torch.nn.Module) -> tuple:
     return (tuple(module._modules.values()), tuple(module._parameters.values()),
             tuple(module._buffers.values()), len(module._forward_hooks),
-            len(module._forward_pre_hooks), module.__dict__.get("forward"))
+            len(module._forward_pre_hooks), _settings(module), module.__dict__.get("forward"))
 
 
 def _same(module: torch.nn.Module, state: tuple) -> bool:
     now = _state(module)
-    return all(len(a) == len(b) and all(x is y for x, y in zip(a, b))
-               for a, b in zip(now[:3], state[:3])) and now[3:5] == state[3:5] and now[5] is state[5]
+    return (all(len(a) == len(b) and all(x is y for x, y in zip(a, b))
+                for a, b in zip(now[:3], state[:3]))
+            and now[3:6] == state[3:6] and now[6] is state[6])
 
 
 def _plain(module: torch.nn.Module) -> bool:
@@ -203,6 +223,8 @@ class _Package:
     wherever the symbol recurs)."""
 
     def __init__(self, path: Path, meta: dict) -> None:
+        if _sha256(path) != meta["sha256"]:  # a .json and a .pt2 of two different writes
+            raise ValueError("the package is not the one its size pattern was written for")
         self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         self.pattern = [[tuple(d) if isinstance(d, list) else d for d in dims]
                         for dims in meta["pattern"]]
@@ -232,7 +254,7 @@ class AOTBlock:
     module docstring. ``__call__`` returns :data:`NotImplemented` when the call is not one it
     runs (the caller then uses the ``torch.compile`` path)."""
 
-    def __init__(self, block: torch.nn.Module, name: str, packages: dict) -> None:
+    def __init__(self, block: torch.nn.Module, name: str, packages: Packages) -> None:
         self._block = weakref.ref(block)
         self.name = name
         with _LOCK:
@@ -245,6 +267,7 @@ class AOTBlock:
         self._said: set[str] = set()
         self._snapshot: list | None = None
         self._cached: dict[str, torch.Tensor] | None = None
+        self._settings: tuple = ()
 
     def _weights(self, block: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The block's parameters and buffers outside its attention modules, or ``None`` when a
@@ -272,6 +295,7 @@ class AOTBlock:
                 weights.update((prefix + n, v) for n, v in module.named_buffers(recurse=False))
         self._snapshot = [(m, _state(m)) for m in modules]
         self._cached = weights
+        self._settings = tuple(_settings(m) for m in modules)
         return weights
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -291,7 +315,9 @@ class AOTBlock:
             return NotImplemented
         shapes = tuple(tuple(t.shape) for t in tensors)
         fast = (str(spec), tuple(x if not isinstance(x, torch.Tensor) else (x.dtype, x.device.type)
-                                 for x in leaves), tuple(weights))
+                                 for x in leaves),
+                tuple((n, w.dtype, w.shape, w.device.type) for n, w in weights.items()),
+                self._settings)
         package = self._find(fast, shapes)
         if package is None:
             package = self._build(block, weights, args, kwargs, leaves, fast, shapes)
@@ -302,7 +328,7 @@ class AOTBlock:
     def _find(self, fast: tuple, shapes: tuple) -> _Package | object | None:
         """The loaded package for this call, :data:`_FAILED` if its export failed before,
         ``None`` if there is none yet."""
-        entry = self._packages.get(fast, ())
+        entry = self._packages.by_call.get(fast, ())
         for package in entry:
             if package is not _FAILED and package.accepts(shapes):
                 return package
@@ -317,7 +343,8 @@ class AOTBlock:
             "torch": torch.__version__, "diffusers": diffusers.__version__, "accel": __version__,
             "python": sys.version_info[:2], "cpu": torch.backends.cpu.get_cpu_capability(),
             "block": f"{type(block).__module__}.{type(block).__qualname__}",
-            "modules": [f"{n}:{type(m).__module__}.{type(m).__qualname__}" for n, m in block.named_modules()],
+            "modules": [f"{n}:{type(m).__module__}.{type(m).__qualname__}:{_settings(m)!r}"
+                        for n, m in block.named_modules()],
             "processors": {n: type(block.get_submodule(n).processor).__qualname__ for n in self._attention},
             "weights": [(n, tuple(w.shape), str(w.dtype)) for n, w in weights.items()],
             "call": spec_str,
@@ -327,48 +354,59 @@ class AOTBlock:
 
     def _build(self, block, weights, args, kwargs, leaves, fast, shapes) -> _Package | object:
         """Load the package for this call from disk, or export and compile it; :data:`_FAILED`
-        (and the ``torch.compile`` path from then on for this call structure) if that fails."""
-        with _LOCK:
-            package = self._find(fast, shapes)
-            if package is not None:
-                return package  # another thread built it meanwhile
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
+        (and the ``torch.compile`` path from then on for this call structure) if that fails.
+        Called with :data:`_LOCK` held (see :func:`dispatcher`)."""
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-            folder = Path(cache_dir()) / "flowseam_accel_aot"
-            key = self._key(block, weights, leaves, fast[0])
-            for suffix in range(16):              # one package per size pattern of this key
-                path = folder / f"{key}-{suffix}.pt2"
-                meta = path.with_suffix(".json")
-                if not meta.exists():
-                    break
-                try:
-                    package = _Package(path, json.loads(meta.read_text()))
-                except Exception as exc:  # noqa: BLE001 - damaged or from another build: redo
-                    self._say(f"accel: recompiling {self.name}: its cached package {path} does "
-                              f"not load ({type(exc).__name__})")
-                    meta.unlink(missing_ok=True)
-                    break
-                self._packages.setdefault(fast, []).append(package)
-                if package.accepts(shapes):
-                    _count_event()
-                    return package
-            else:
-                return _FAILED
+        entry = self._packages.by_call.setdefault(fast, [])
+        folder = Path(cache_dir()) / "flowseam_accel_aot"
+        key = self._key(block, weights, leaves, fast[0])
+        failed = folder / f"{key}.failed"
+        if failed.is_file():   # an earlier process could not export this structure
+            self._say(f"accel: {self.name} runs through torch.compile: {failed.read_text()}")
+            entry.append(_FAILED)
+            return _FAILED
+        for suffix in range(_MAX_PATTERNS):  # one package per size pattern of this key
+            path = folder / f"{key}-{suffix}.pt2"
+            meta = path.with_suffix(".json")
+            if path in self._packages.paths:
+                continue
+            if not meta.exists():
+                break
             try:
-                meta = _export_and_compile(block, weights, self.index, self._attention, args,
-                                           kwargs, path)
-            except Exception as exc:  # noqa: BLE001 - any failure: the torch.compile path
-                self._packages.setdefault(fast, []).append(_FAILED)
-                self._say(f"accel: {self.name} runs through torch.compile: exporting it for "
-                          f"AOTInductor failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
-                return _FAILED
-            package = _Package(path, meta)
-            self._packages.setdefault(fast, []).append(package)
-            _count_event()
-            if not package.accepts(shapes):  # cannot happen: exported from these inputs
-                self._packages[fast].append(_FAILED)
-                return _FAILED
-            return package
+                package = _Package(path, json.loads(meta.read_text()))
+            except Exception as exc:  # noqa: BLE001 - damaged, or .json of another .pt2: redo
+                self._say(f"accel: compiling {self.name} again: its cached package {path} does "
+                          f"not load ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+                meta.unlink(missing_ok=True)
+                break
+            self._packages.paths.add(path)
+            entry.append(package)
+            if package.accepts(shapes):
+                _count_event()
+                return package
+        else:
+            entry.append(_FAILED)
+            return _FAILED
+        try:
+            meta = _export_and_compile(block, weights, self.index, self._attention, args, kwargs,
+                                       path)
+        except Exception as exc:  # noqa: BLE001 - any failure: the torch.compile path
+            reason = (f"exporting it for AOTInductor failed ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:200]})")
+            with contextlib.suppress(OSError):
+                _write_atomic(failed, reason)
+            self._say(f"accel: {self.name} runs through torch.compile: {reason}")
+            entry.append(_FAILED)
+            return _FAILED
+        package = _Package(path, meta)
+        self._packages.paths.add(path)
+        entry.append(package)
+        _count_event()
+        if not package.accepts(shapes):  # cannot happen: exported from these inputs
+            entry.append(_FAILED)
+            return _FAILED
+        return package
 
     def _say(self, message: str) -> None:
         from flowseam.console import notices_enabled
@@ -395,11 +433,15 @@ def _export_and_compile(block, weights, index, attention, args, kwargs, path: Pa
 
     shims = {name: _AttentionShim(name) for name in attention}
 
+    # traced: a copy of the block's module tree (same tensors, its own dicts) whose attention
+    # modules are the shims, so the block itself never changes (other threads may run it)
+    traced = _structural_copy(block, shims)
+
     class _Call(torch.nn.Module):
         def forward(self, weights, index, args, kwargs):
             for shim in shims.values():
                 shim.index = index
-            return torch.func.functional_call(block, weights, args, kwargs)
+            return torch.func.functional_call(traced, weights, args, kwargs)
 
     def dims(x):
         return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
@@ -410,7 +452,6 @@ def _export_and_compile(block, weights, index, attention, args, kwargs, path: Pa
                pytree.tree_map(dims, kwargs))
     saved = {name: block.get_submodule(name) for name in attention}
     _EXPORTING.modules, _EXPORTING.out_specs, _EXPORTING.rules = saved, {}, {}
-    compiled_call = block.__dict__.get("_compiled_call_impl")
     # the export runs each attention module once on fake tensors: its routed SDPA call is not
     # a call of the platform's kernel (the count is restored), nor a step's text K/V (paused)
     modes = [m.processor._mode for m in saved.values() if hasattr(m.processor, "_mode")]
@@ -418,9 +459,6 @@ def _export_and_compile(block, weights, index, attention, args, kwargs, path: Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # aoti wants the suffix
     try:
-        block._compiled_call_impl = None   # trace the block's own forward, not this dispatch
-        for name, shim in shims.items():
-            block.set_submodule(name, shim)
         with torch.no_grad(), _quiet(), paused():
             _EXPORTING.tracing = True
             program = torch.export.export(_Call(), (weights, index, args, kwargs),
@@ -433,18 +471,38 @@ def _export_and_compile(block, weights, index, attention, args, kwargs, path: Pa
             # block_attention still needs the attention modules
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
     finally:
-        for name, module in saved.items():
-            block.set_submodule(name, module)
-        block._compiled_call_impl = compiled_call
         _EXPORTING.modules = None
         for mode, n in zip(modes, calls):
             mode.calls = n
-    meta = {"pattern": pattern, "out": pytree.treespec_dumps(program.call_spec.out_spec)}
-    meta_tmp = tmp.with_suffix(".json")
-    meta_tmp.write_text(json.dumps(meta))
+    meta = {"pattern": pattern, "out": pytree.treespec_dumps(program.call_spec.out_spec),
+            "sha256": _sha256(tmp)}
     os.replace(tmp, path)
-    os.replace(meta_tmp, path.with_suffix(".json"))  # last: a package counts once this exists
+    _write_atomic(path.with_suffix(".json"), json.dumps(meta))  # last: then the package counts
     return meta
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _structural_copy(module: torch.nn.Module, replace: dict[str, torch.nn.Module],
+                     prefix: str = "") -> torch.nn.Module:
+    """``module`` and its submodules as new objects with their own parameter, buffer and
+    submodule dicts (the same tensors, no data copied) and no compiled call; the submodules
+    named in ``replace`` (qualified names) replaced."""
+    clone = copy.copy(module)   # nn.Module.__getstate__ leaves _compiled_call_impl out
+    clone._parameters, clone._buffers = dict(module._parameters), dict(module._buffers)
+    clone._modules = {
+        name: replace.get(prefix + name) or (
+            None if child is None else _structural_copy(child, replace, f"{prefix}{name}."))
+        for name, child in module._modules.items()}
+    return clone
 
 
 def _dim(size, ranges) -> int | list:
@@ -482,15 +540,23 @@ def _quiet():
         log.setLevel(level)
 
 
-def dispatcher(block: torch.nn.Module, name: str, packages: dict,
+def dispatcher(block: torch.nn.Module, name: str, packages: Packages,
                compiled_call: Callable) -> Callable:
     """A block's call: its AOTInductor package when :class:`AOTBlock` runs the call, else
-    ``compiled_call`` (the ``torch.compile``'d ``_call_impl``)."""
+    ``compiled_call`` (the ``torch.compile``'d ``_call_impl``).
+
+    Calls of accel's compiled blocks run one at a time in a process (:data:`_LOCK`): an export
+    swaps the block's attention modules and parameters while it traces (another thread would
+    run the shims), and a package's runner is not reentrant (a second thread waiting for it
+    inside the C++ call, holding the GIL, deadlocked the first one's attention callback).
+    Waiting on this lock releases the GIL; on a CPU the intra-op threads keep the cores busy
+    anyway."""
     aot = AOTBlock(block, name, packages)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        out = aot(*args, **kwargs)
-        return compiled_call(*args, **kwargs) if out is NotImplemented else out
+        with _LOCK:
+            out = aot(*args, **kwargs)
+            return compiled_call(*args, **kwargs) if out is NotImplemented else out
 
     call.aot = aot
     return call

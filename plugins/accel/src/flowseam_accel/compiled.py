@@ -144,7 +144,7 @@ class Timed:
             sig = signature(args, kwargs)
             if sig not in self._seen:
                 self._seen.add(sig)
-                message = (f"accel: compiling {self.name} for new input shapes with torch.compile "
+                message = (f"accel: compiling {self.name} for new input shapes "
                            "(first call; cached on disk afterwards)")
                 with long_wait(message) as wait:
                     out, compiled = self._call(args, kwargs)

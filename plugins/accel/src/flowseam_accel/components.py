@@ -83,11 +83,12 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str) -> torch.nn.Modu
     blocks = [m for m in module.modules() if type(m).__name__ in repeated]
     if not blocks:
         return compile_module(module, name, **_COMPILE_OPTIONS)
-    packages: dict[type, dict] = {}  # AOTInductor packages, shared by the blocks of a class
+    packages: dict[type, aot.Packages] = {}  # shared by the blocks of a class
     for block in blocks:
         entry = f"{name}.{type(block).__name__}"
         timed = compile_module(block, entry, **_COMPILE_OPTIONS)._compiled_call_impl
-        timed.fn = aot.dispatcher(block, entry, packages.setdefault(type(block), {}), timed.fn)
+        shared = packages.setdefault(type(block), aot.Packages())
+        timed.fn = aot.dispatcher(block, entry, shared, timed.fn)
     return module
 
 
