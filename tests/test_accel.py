@@ -368,6 +368,41 @@ def test_no_grad_calls_run_an_aot_package_a_new_model_loads_without_tracing(acce
     assert len(packages) >= 2 and all(p.with_suffix(".json").is_file() for p in packages)
 
 
+def test_threads_calling_one_compiled_dit_at_once_all_finish_with_the_right_result(accel, cpu,
+                                                                                 tiny_wan):
+    """The serve engine runs requests in threads: block calls through a package's runner, whose
+    attention callback needs the GIL, once deadlocked when a second thread entered the same
+    runner (flowseam_accel.aot.dispatcher runs them one at a time). Without that lock this test
+    hangs: the waiting thread holds the GIL, so not even the join's timeout returns."""
+    import threading
+
+    from flowseam.attention import route_attention
+
+    spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
+    dit, ref = accel.build_component("dit", spec), cpu.build_component("dit", spec)
+    route_attention(dit, accel.kernels.get(ops.ATTENTION))
+    route_attention(ref, cpu.kernels.get(ops.ATTENTION))
+    latents, t = _rand(1, dit.config.in_channels, 1, 8, 8, seed=40), torch.tensor([500.0])
+    text = _rand(1, 6, dit.config.text_dim, seed=41)
+    with torch.no_grad():
+        want = ref(latents, t, text, return_dict=False)[0]
+        dit(latents, t, text, return_dict=False)               # the package, built or loaded
+    diffs: list[float] = []
+
+    def run():
+        with torch.no_grad():
+            for _ in range(10):
+                diffs.append((dit(latents, t, text, return_dict=False)[0] - want).abs().max().item())
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "block calls deadlocked"
+    assert len(diffs) == 20 and max(diffs) < 1e-4
+
+
 def test_a_dit_without_repeated_blocks_is_compiled_whole(accel):
     """The fallback of regional compilation: a model that lists no ``_repeated_blocks``."""
     from flowseam_accel.components import compile_repeated_blocks
