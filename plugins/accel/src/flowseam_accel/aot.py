@@ -67,7 +67,7 @@ from torch.utils import _pytree as pytree
 
 _LOCK = threading.RLock()
 _BLOCKS: list[weakref.ref] = []      # a block's index (its tensor argument to the op) -> block
-_EXPORTING = threading.local()      # during an export: the block traced, outputs' structures
+_EXPORTING = threading.local()      # during an export: attention modules, their outputs' rules
 _SIMPLE = (int, float, bool, str, type(None))
 _FAILED = object()                  # an export failed for this call structure
 _MAX_PATTERNS = 16                  # size patterns (packages) kept per key
