@@ -40,10 +40,12 @@ When the ``torch.compile`` path runs instead (decided per call)
     flowseam's notices are on). ``FLOWSEAM_ACCEL_AOT=0`` turns the packages off.
 
 Where
-    ``<inductor cache dir>/flowseam_accel_aot/<key>.pt2`` with ``<key>.json`` (the size pattern),
-    i.e. under ``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_<user>``), written to a
-    temporary name and renamed, so a killed compile leaves no half package. Delete the directory
-    to recompile.
+    ``<inductor cache dir>/flowseam_accel_aot/<key>-<n>.pt2`` with ``<key>-<n>.json`` (its size
+    pattern, output structure and sha256), i.e. under ``TORCHINDUCTOR_CACHE_DIR`` (default
+    ``/tmp/torchinductor_<user>``), each written to a temporary file and renamed, so a killed or
+    failed compile leaves no half package. A structure whose export or compile failed is
+    recorded as ``<key>.failed`` (its reason), so later processes go straight to
+    ``torch.compile``. Delete a file, or the directory, to compile again.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ from typing import Any, Optional
 
 import torch
 from flowseam.attention import stock_processor
+from flowseam.errors import FlowseamError
+from flowseam.media import atomic_path
 from flowseam.step_constants import paused
 from torch.utils import _pytree as pytree
 
@@ -275,8 +279,8 @@ class AOTBlock:
 
         Walking the modules costs more than a small block's compiled code, so the result is
         kept with a snapshot of what it depends on (each module's children, parameters,
-        buffers, hooks and instance ``forward``), compared by identity on every call: a LoRA
-        injection, a replaced parameter or a new hook is seen at once."""
+        buffers, hooks, plain attributes and instance ``forward``), compared on every call: a
+        LoRA injection, a replaced parameter, a changed ``eps`` or a new hook is seen at once."""
         snapshot = self._snapshot
         if snapshot is not None and all(_same(m, state) for m, state in snapshot):
             return self._cached
@@ -363,7 +367,8 @@ class AOTBlock:
         key = self._key(block, weights, leaves, fast[0])
         failed = folder / f"{key}.failed"
         if failed.is_file():   # an earlier process could not export this structure
-            self._say(f"accel: {self.name} runs through torch.compile: {failed.read_text()}")
+            self._say(f"accel: {self.name} runs through torch.compile: {failed.read_text()} "
+                      f"(recorded in {failed}; delete it to try again)")
             entry.append(_FAILED)
             return _FAILED
         for suffix in range(_MAX_PATTERNS):  # one package per size pattern of this key
@@ -394,9 +399,12 @@ class AOTBlock:
         except Exception as exc:  # noqa: BLE001 - any failure: the torch.compile path
             reason = (f"exporting it for AOTInductor failed ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:200]})")
-            with contextlib.suppress(OSError):
-                _write_atomic(failed, reason)
-            self._say(f"accel: {self.name} runs through torch.compile: {reason}")
+            # recorded for later processes, unless writing was what failed (a full disk)
+            if not isinstance(exc, (OSError, FlowseamError)):
+                with contextlib.suppress(OSError, FlowseamError), atomic_path(failed) as tmp:
+                    tmp.write_text(reason)
+            self._say(f"accel: {self.name} runs through torch.compile: {reason}"
+                      + (f" (recorded in {failed})" if failed.is_file() else ""))
             entry.append(_FAILED)
             return _FAILED
         package = _Package(path, meta)
@@ -422,12 +430,14 @@ def _count_event() -> None:
     compiled.count_compile_event()
 
 
-def _export_and_compile(block, weights, index, attention, args, kwargs, path: Path) -> list[list]:
+def _export_and_compile(block, weights, index, attention, args, kwargs, path: Path) -> dict:
     """Export ``block``'s call (parameters and ``index`` as inputs, attention modules as
-    ``block_attention`` calls), compile it into the package ``path`` and write its size pattern
-    and output structure next to it (``.json``); both written under temporary names and renamed.
+    ``block_attention`` calls), compile it into the package ``path`` and write its size pattern,
+    output structure and sha256 next to it (``.json``); each written to a temporary file and
+    renamed (:func:`flowseam.media.atomic_path`: a failed compile leaves nothing behind).
 
-    :returns: ``{"pattern": [...], "out": <output treespec>}`` (see :class:`_Package`).
+    :returns: ``{"pattern": [...], "out": <output treespec>, "sha256": str}`` (see
+        :class:`_Package`).
     """
     from torch.export import Dim
 
@@ -456,10 +466,8 @@ def _export_and_compile(block, weights, index, attention, args, kwargs, path: Pa
     # a call of the platform's kernel (the count is restored), nor a step's text K/V (paused)
     modes = [m.processor._mode for m in saved.values() if hasattr(m.processor, "_mode")]
     calls = [mode.calls for mode in modes]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # aoti wants the suffix
-    try:
-        with torch.no_grad(), _quiet(), paused():
+    try:  # atomic_path's temporary file keeps the .pt2 suffix aoti_compile_and_package wants
+        with torch.no_grad(), _quiet(), paused(), atomic_path(path) as tmp:
             _EXPORTING.tracing = True
             program = torch.export.export(_Call(), (weights, index, args, kwargs),
                                           dynamic_shapes=dynamic, strict=False)
@@ -470,25 +478,20 @@ def _export_and_compile(block, weights, index, attention, args, kwargs, path: Pa
             # inductor propagates fake tensors through the graph again: the fake
             # block_attention still needs the attention modules
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+            meta = {"pattern": pattern, "out": pytree.treespec_dumps(program.call_spec.out_spec),
+                    "sha256": _sha256(tmp)}
     finally:
         _EXPORTING.modules = None
         for mode, n in zip(modes, calls):
             mode.calls = n
-    meta = {"pattern": pattern, "out": pytree.treespec_dumps(program.call_spec.out_spec),
-            "sha256": _sha256(tmp)}
-    os.replace(tmp, path)
-    _write_atomic(path.with_suffix(".json"), json.dumps(meta))  # last: then the package counts
+    with atomic_path(path.with_suffix(".json")) as tmp:  # last: then the package counts
+        tmp.write_text(json.dumps(meta))
     return meta
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _structural_copy(module: torch.nn.Module, replace: dict[str, torch.nn.Module],
