@@ -403,6 +403,17 @@ def test_threads_calling_one_compiled_dit_at_once_all_finish_with_the_right_resu
     assert len(diffs) == 20 and max(diffs) < 1e-4
 
 
+def test_a_bad_aot_switch_is_refused_naming_it_before_the_dit_loads(accel, tiny_wan, monkeypatch):
+    from flowseam_accel import components
+
+    monkeypatch.setenv("FLOWSEAM_ACCEL_AOT", "maybe")
+    monkeypatch.setattr(components, "instantiate", lambda *a, **k: pytest.fail("weights loaded"))
+    spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
+    with pytest.raises(ValueError, match=r"FLOWSEAM_ACCEL_AOT='maybe' is not a switch: use one of "
+                                         r"1, true, yes, on \(packages on\) or 0, false, no, off"):
+        components.build_dit(spec)
+
+
 def test_a_dit_without_repeated_blocks_is_compiled_whole(accel):
     """The fallback of regional compilation: a model that lists no ``_repeated_blocks``."""
     from flowseam_accel.components import compile_repeated_blocks

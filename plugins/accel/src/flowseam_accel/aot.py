@@ -37,7 +37,8 @@ When the ``torch.compile`` path runs instead (decided per call)
     ``torch.compile``, whose guards see them); hooks on the block or a replaced ``forward`` (diffusers'
     cache hooks); an argument that is neither a tensor nor a plain constant; an attention module
     that returns anything but tensors; or an export that fails (said once with the reason when
-    flowseam's notices are on). ``FLOWSEAM_ACCEL_AOT=0`` turns the packages off.
+    flowseam's notices are on). ``FLOWSEAM_ACCEL_AOT=0`` turns the packages off (read when accel
+    builds a DiT; :func:`enabled`).
 
 Where
     ``<inductor cache dir>/flowseam_accel_aot/<key>-<n>.pt2`` with ``<key>-<n>.json`` (its size
@@ -86,9 +87,22 @@ class Packages:
         self.paths: set[Path] = set()
 
 
+AOT_ENV = "FLOWSEAM_ACCEL_AOT"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    """Whether accel may use AOTInductor packages (``FLOWSEAM_ACCEL_AOT``, default on)."""
-    return os.environ.get("FLOWSEAM_ACCEL_AOT", "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether accel's DiT blocks use AOTInductor packages: ``FLOWSEAM_ACCEL_AOT``, default on.
+
+    :raises ValueError: for a value that is neither on (``1``, ``true``, ``yes``, ``on``) nor
+        off (``0``, ``false``, ``no``, ``off``), naming it: accel reads it before it loads a DiT.
+    """
+    raw = os.environ.get(AOT_ENV, "1")
+    value = raw.strip().lower()
+    if value not in _ON + _OFF:
+        raise ValueError(f"{AOT_ENV}={raw!r} is not a switch: use one of "
+                         f"{', '.join(_ON)} (packages on) or {', '.join(_OFF)} (off)")
+    return value in _ON
 
 
 def _attention_call(module: Callable[[str], torch.nn.Module], call: str, tensors: list) -> Any:
@@ -304,7 +318,7 @@ class AOTBlock:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self._block()
-        if (block is None or torch.is_grad_enabled() or not self._cpu or not enabled()
+        if (block is None or torch.is_grad_enabled() or not self._cpu
                 or torch.nn.modules.module._global_forward_hooks
                 or torch.nn.modules.module._global_forward_pre_hooks):
             return NotImplemented

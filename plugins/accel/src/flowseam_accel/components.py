@@ -68,6 +68,7 @@ _COMPILE_OPTIONS = {"dynamic": True}
 def build_dit(spec: ComponentSpec) -> torch.nn.Module:
     """``spec``'s transformer in float32 on accel's device, its repeated blocks compiled in place
     (see :func:`compile_repeated_blocks`)."""
+    aot.enabled()  # a bad FLOWSEAM_ACCEL_AOT is refused before the weights load
     module = instantiate(spec, device=str(torch_device()), dtype=torch.float32)
     return compile_repeated_blocks(module, f"dit:{spec.name}")
 
@@ -83,12 +84,14 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str) -> torch.nn.Modu
     blocks = [m for m in module.modules() if type(m).__name__ in repeated]
     if not blocks:
         return compile_module(module, name, **_COMPILE_OPTIONS)
+    use_aot = aot.enabled()
     packages: dict[type, aot.Packages] = {}  # shared by the blocks of a class
     for block in blocks:
         entry = f"{name}.{type(block).__name__}"
         timed = compile_module(block, entry, **_COMPILE_OPTIONS)._compiled_call_impl
-        shared = packages.setdefault(type(block), aot.Packages())
-        timed.fn = aot.dispatcher(block, entry, shared, timed.fn)
+        if use_aot:
+            shared = packages.setdefault(type(block), aot.Packages())
+            timed.fn = aot.dispatcher(block, entry, shared, timed.fn)
     return module
 
 
