@@ -66,6 +66,23 @@ def test_strict_mode_raises_naming_the_broken_plugin(fixture_plugins_dir):
         assert reg.records["unavailable_dev"].status == "unavailable"  # unavailable is not broken
 
 
+def test_a_strict_switch_that_is_neither_on_nor_off_is_refused_naming_it(fixture_plugins_dir):
+    # "ture" would otherwise read as off and let a broken plugin pass silently
+    with pytest.raises(ValueError, match=r"FLOWSEAM_STRICT='ture' is not a switch: use one of 1, true"):
+        with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,broken_import", FLOWSEAM_STRICT="ture"):
+            pass
+    for spelled in (" TRUE ", "on", "Yes"):
+        with pytest.raises(PluginLoadError, match="'broken_import'"):
+            with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,broken_import", FLOWSEAM_STRICT=spelled):
+                pass
+    for spelled in ("", "0", "Off"):
+        with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu,broken_import", FLOWSEAM_STRICT=spelled) as reg:
+            assert reg.records["broken_import"].status == "broken"
+    out = run_main("backends", path=fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu", FLOWSEAM_STRICT="2")
+    assert out.returncode == 2, out.stderr
+    assert "FLOWSEAM_STRICT='2' is not a switch" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_allow_and_block_lists(fixture_plugins_dir):
     with plugin_env(fixture_plugins_dir, FLOWSEAM_PLUGINS="cpu") as reg:
         assert reg.records["broken_import"].status == "blocked"

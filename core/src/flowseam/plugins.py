@@ -9,7 +9,9 @@ Environment:
 
 - ``FLOWSEAM_PLUGINS=a,b``: allow-list of entry-point names; every other plugin is ``blocked``.
 - ``FLOWSEAM_DISABLE_PLUGINS=a,b``: block-list.
-- ``FLOWSEAM_STRICT=1``: a broken plugin raises :class:`~flowseam.PluginLoadError` naming it.
+- ``FLOWSEAM_STRICT=1``: a broken plugin raises :class:`~flowseam.PluginLoadError` naming it
+  (``0/1``, ``false/true``, ``no/yes``, ``off/on``; any other value is refused, see
+  :func:`env_switch`).
 
 Discovery runs once per process (:func:`discover` caches); pass ``refresh=True`` after changing
 the environment or ``sys.path``.
@@ -296,8 +298,30 @@ def _env_list(var: str) -> set[str] | None:
     return names or None
 
 
+#: The spellings of an environment switch (case and surrounding spaces ignored).
+SWITCH_ON, SWITCH_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_switch(var: str, default: bool) -> bool:
+    """The on/off environment variable ``var``; ``default`` when it is unset or empty.
+
+    :raises ValueError: for any other value than :data:`SWITCH_ON` / :data:`SWITCH_OFF`, naming
+        the variable, its value and the allowed spellings (a typo such as ``FLOWSEAM_STRICT=ture``
+        must not silently mean "off").
+    """
+    raw = os.environ.get(var, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value not in SWITCH_ON + SWITCH_OFF:
+        raise ValueError(f"{var}={raw!r} is not a switch: use one of {', '.join(SWITCH_ON)} (on) "
+                         f"or {', '.join(SWITCH_OFF)} (off)")
+    return value in SWITCH_ON
+
+
 def strict_mode() -> bool:
-    return os.environ.get("FLOWSEAM_STRICT", "").strip().lower() in {"1", "true", "yes", "on"}
+    """``FLOWSEAM_STRICT`` (default off). :raises ValueError: for a value that is not a switch."""
+    return env_switch("FLOWSEAM_STRICT", False)
 
 
 def _entry_point_value_loader(name: str, value: str) -> Callable[[], Any]:
@@ -319,6 +343,7 @@ def scan() -> PluginRegistry:
     global DISCOVERY_SCANS
     DISCOVERY_SCANS += 1
     plugin_timeout()  # a bad FLOWSEAM_PLUGIN_TIMEOUT is an error before any plugin loads
+    strict = strict_mode()  # and so is a bad FLOWSEAM_STRICT
     allow = _env_list("FLOWSEAM_PLUGINS")
     block = _env_list("FLOWSEAM_DISABLE_PLUGINS") or set()
     reg = PluginRegistry()
@@ -358,7 +383,7 @@ def scan() -> PluginRegistry:
                            "another's place; uninstall or rename all but one")
             continue
         reg.load(name, group[0].value, dists[0][0], dists[0][1], group[0].load)
-    if strict_mode():
+    if strict:
         raise_if_broken(reg)
     return reg
 
