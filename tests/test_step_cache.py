@@ -164,6 +164,28 @@ def test_rollouts_refuse_a_cache_unless_asked_and_then_say_so(cpu, tmp_path_fact
     assert np.array_equal(served.frames, result.frames)  # capture changes nothing
 
 
+def test_diffusers_cache_hooks_on_the_dit_are_refused_before_it_runs(cpu, tmp_path_factory):
+    """diffusers' ``enable_cache`` on flowseam's DiT is refused naming the way out (it failed
+    inside the first DiT call, blaming the backend), and works again after ``disable_cache``."""
+    from diffusers import FirstBlockCacheConfig
+
+    model = flowseam.load(_tiny("wan2.1-t2v", tmp_path_factory), platform=cpu, quiet=True)
+    params = DiffusionParams(num_steps=2, height=32, width=32, num_frames=5, max_sequence_length=16)
+    before = model.generate("a red ball", params=params).frames
+    calls = []
+    hook = model.dit.register_forward_pre_hook(lambda *a: calls.append(1))
+    model.dit.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    try:
+        with pytest.raises(ValueError, match=r"DiT 'transformer' has diffusers' cache hooks enabled"
+                                             r".*disable_cache\(\).*--cache reuse:0.05"):
+            model.generate("a red ball", params=params)
+        assert calls == []
+    finally:
+        model.dit.disable_cache()
+        hook.remove()
+    assert np.array_equal(model.generate("a red ball", params=params).frames, before)
+
+
 def test_causal_and_ltx2_cards_refuse_what_their_loops_do_not_apply(cpu, tmp_path_factory):
     """The causal card refuses a cache policy; LTX-2 refuses a cache policy and a LoRA set
     (its loop applies neither), before any model runs."""

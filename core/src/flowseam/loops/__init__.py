@@ -35,6 +35,29 @@ RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {"flow_match": flow_match.re
                                                      "ltx2": ltx2.record_velocity}
 
 
+def check_no_module_cache(model: "ModelInstance") -> None:
+    """Refuse a DiT on which diffusers' cache hooks are enabled (``enable_cache`` with
+    ``FirstBlockCacheConfig``, ``MagCacheConfig``, ``TaylorSeerCacheConfig``, ...).
+
+    Decision: flowseam's loops do not run those hooks. They would skip blocks inside the DiT,
+    where the loop cannot see it: a rollout's log-probs would then not be the model's, and
+    the hooks need a ``cache_context`` per guidance branch while flowseam batches both branches
+    into one DiT call. Adaptive step caching is the loop's own policy
+    (:mod:`flowseam.loops.step_cache`: ``DiffusionParams(cache="reuse:0.05")``, ``--cache``), which
+    covers the same family (First-Block Cache, MagCache, TeaCache, TaylorSeer's forecast).
+
+    :raises ValueError: naming the DiT and the way out, before any model runs.
+    """
+    for name, dit in model.experts.items():
+        if getattr(dit, "is_cache_enabled", False):
+            raise ValueError(
+                f"{model.card.name}'s DiT {name!r} has diffusers' cache hooks enabled "
+                "(enable_cache); flowseam's loops do not run them: call "
+                f"model.components[{name!r}].disable_cache() and use flowseam's step cache "
+                "instead (DiffusionParams(cache='reuse:0.05'), flowseam "
+                "generate --cache reuse:0.05; the flow-match loop)")
+
+
 def run_loop(model: "ModelInstance", request: GenerationRequest,
              profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
              decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
@@ -46,9 +69,11 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
     :param step_callback: called as ``step_callback(index, num_steps, latents)`` after every
         denoising step (:data:`StepCallback`); an exception it raises stops the loop there and
         propagates.
-    :raises ValueError: for invalid requests (raised before any model runs), or a card whose
-        loop flowseam does not have.
+    :raises ValueError: for invalid requests (raised before any model runs), a card whose
+        loop flowseam does not have, or a DiT with diffusers' cache hooks enabled
+        (:func:`check_no_module_cache`).
     """
+    check_no_module_cache(model)
     name = model.card.loops[0]
     try:
         loop = LOOPS[name]
@@ -64,9 +89,11 @@ def stream_loop(model: "ModelInstance", request: GenerationRequest,
                 decode: bool = True, step_callback: StepCallback | None = None) -> Iterator[Chunk]:
     """Run the card's loop chunk by chunk, yielding each :class:`Chunk` as it is ready.
 
-    :raises ValueError: if the card's loop does not stream (only ``wan_causal`` does), or for
-        an invalid request (before any model runs).
+    :raises ValueError: if the card's loop does not stream (only ``wan_causal`` does), for
+        an invalid request (before any model runs), or a DiT with diffusers' cache hooks
+        enabled (:func:`check_no_module_cache`).
     """
+    check_no_module_cache(model)
     name = model.card.loops[0]
     if name not in STREAMS:
         raise ValueError(f"card {model.card.name} runs loop {name!r}, which does not stream; "
@@ -93,4 +120,4 @@ def rollout_loop(model: "ModelInstance", request: GenerationRequest,
 
 
 __all__ = ["BehaviorRecord", "Chunk", "ExecutionProfile", "LOOPS", "LoopResult", "RECOMPUTE",
-           "STREAMS", "StepCallback", "record_velocity", "rollout_loop", "run_loop", "stream_loop"]
+           "STREAMS", "StepCallback", "check_no_module_cache", "record_velocity", "rollout_loop", "run_loop", "stream_loop"]
