@@ -41,21 +41,19 @@ When the ``torch.compile`` path runs instead (decided per call)
     builds a DiT; :func:`enabled`).
 
 Where
+    In accel's package store (:mod:`flowseam_accel.store`):
     ``<inductor cache dir>/flowseam_accel_aot/<key>-<n>.pt2`` with ``<key>-<n>.json`` (its size
-    pattern, output structure and sha256), i.e. under ``TORCHINDUCTOR_CACHE_DIR`` (default
-    ``/tmp/torchinductor_<user>``), each written to a temporary file and renamed, so a killed or
-    failed compile leaves no half package. A structure whose export or compile failed is
-    recorded as ``<key>.failed`` (its reason), so later processes go straight to
+    pattern, output structure and sha256), each written to a temporary file and renamed, so a
+    killed or failed compile leaves no half package. A structure whose export or compile failed
+    is recorded as ``<key>.failed`` (its reason), so later processes go straight to
     ``torch.compile``. Delete a file, or the directory, to compile again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
-import os
 import sys
 import threading
 import weakref
@@ -65,17 +63,17 @@ from typing import Any, Optional
 
 import torch
 from flowseam.attention import stock_processor
-from flowseam.errors import FlowseamError
-from flowseam.media import atomic_path
 from flowseam.step_constants import paused
 from torch.utils import _pytree as pytree
+
+from . import store
+from .store import AOT_ENV, enabled  # noqa: F401 - accel's switch, read when a DiT is built
 
 _LOCK = threading.RLock()
 _BLOCKS: list[weakref.ref] = []      # a block's index (its tensor argument to the op) -> block
 _EXPORTING = threading.local()      # during an export: attention modules, their outputs' rules
 _SIMPLE = (int, float, bool, str, type(None))
 _FAILED = object()                  # an export failed for this call structure
-_MAX_PATTERNS = 16                  # size patterns (packages) kept per key
 
 
 class Packages:
@@ -85,24 +83,6 @@ class Packages:
     def __init__(self) -> None:
         self.by_call: dict[tuple, list] = {}
         self.paths: set[Path] = set()
-
-
-AOT_ENV = "FLOWSEAM_ACCEL_AOT"
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def enabled() -> bool:
-    """Whether accel's DiT blocks use AOTInductor packages: ``FLOWSEAM_ACCEL_AOT``, default on.
-
-    :raises ValueError: for a value that is neither on (``1``, ``true``, ``yes``, ``on``) nor
-        off (``0``, ``false``, ``no``, ``off``), naming it: accel reads it before it loads a DiT.
-    """
-    raw = os.environ.get(AOT_ENV, "1")
-    value = raw.strip().lower()
-    if value not in _ON + _OFF:
-        raise ValueError(f"{AOT_ENV}={raw!r} is not a switch: use one of "
-                         f"{', '.join(_ON)} (packages on) or {', '.join(_OFF)} (off)")
-    return value in _ON
 
 
 def _attention_call(module: Callable[[str], torch.nn.Module], call: str, tensors: list) -> Any:
@@ -235,38 +215,6 @@ def _plain(module: torch.nn.Module) -> bool:
             and not module._forward_hooks and not module._forward_pre_hooks)
 
 
-class _Package:
-    """A loaded package and the input sizes it accepts: per tensor argument, per dimension, an
-    ``int`` (that exact size) or ``(symbol, low, high)`` (any size in ``[low, high]``, equal
-    wherever the symbol recurs)."""
-
-    def __init__(self, path: Path, meta: dict) -> None:
-        if _sha256(path) != meta["sha256"]:  # a .json and a .pt2 of two different writes
-            raise ValueError("the package is not the one its size pattern was written for")
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        self.pattern = [[tuple(d) if isinstance(d, list) else d for d in dims]
-                        for dims in meta["pattern"]]
-        self.out_spec = pytree.treespec_loads(meta["out"])
-
-    def __call__(self, flat: list[torch.Tensor]) -> Any:
-        return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
-
-    def accepts(self, shapes: tuple) -> bool:
-        if len(shapes) != len(self.pattern):
-            return False
-        seen: dict[str, int] = {}
-        for shape, dims in zip(shapes, self.pattern):
-            if len(shape) != len(dims):
-                return False
-            for size, d in zip(shape, dims):
-                if isinstance(d, int):
-                    if size != d:
-                        return False
-                elif not (d[1] <= size <= d[2]) or seen.setdefault(d[0], size) != size:
-                    return False
-        return True
-
-
 class AOTBlock:
     """The no-grad forward of one repeated block through a cached AOTInductor package; see the
     module docstring. ``__call__`` returns :data:`NotImplemented` when the call is not one it
@@ -343,7 +291,7 @@ class AOTBlock:
             return NotImplemented
         return package(list(weights.values()) + [self.index] + tensors)
 
-    def _find(self, fast: tuple, shapes: tuple) -> _Package | object | None:
+    def _find(self, fast: tuple, shapes: tuple) -> store.Package | object | None:
         """The loaded package for this call, :data:`_FAILED` if its export failed before,
         ``None`` if there is none yet."""
         entry = self._packages.by_call.get(fast, ())
@@ -370,61 +318,37 @@ class AOTBlock:
         }
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
-    def _build(self, block, weights, args, kwargs, leaves, fast, shapes) -> _Package | object:
-        """Load the package for this call from disk, or export and compile it; :data:`_FAILED`
-        (and the ``torch.compile`` path from then on for this call structure) if that fails.
-        Called with :data:`_LOCK` held (see :func:`dispatcher`)."""
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
+    def _build(self, block, weights, args, kwargs, leaves, fast, shapes) -> store.Package | object:
+        """Load the package for this call from the store, or export and compile it;
+        :data:`_FAILED` (and the ``torch.compile`` path from then on for this call structure) if
+        that fails. Called with :data:`_LOCK` held (see :func:`dispatcher`)."""
         entry = self._packages.by_call.setdefault(fast, [])
-        folder = Path(cache_dir()) / "flowseam_accel_aot"
         key = self._key(block, weights, leaves, fast[0])
-        failed = folder / f"{key}.failed"
-        if failed.is_file():   # an earlier process could not export this structure
-            self._say(f"accel: {self.name} runs through torch.compile: {failed.read_text()} "
-                      f"(recorded in {failed}; delete it to try again)")
+        failed = store.recorded_failure(key)
+        if failed:   # an earlier process could not export this structure
+            self._say(f"accel: {self.name} runs through torch.compile: {failed[1]} "
+                      f"(recorded in {failed[0]}; delete it to try again)")
             entry.append(_FAILED)
             return _FAILED
-        for suffix in range(_MAX_PATTERNS):  # one package per size pattern of this key
-            path = folder / f"{key}-{suffix}.pt2"
-            meta = path.with_suffix(".json")
-            if path in self._packages.paths:
-                continue
-            if not meta.exists():
-                break
-            try:
-                package = _Package(path, json.loads(meta.read_text()))
-            except Exception as exc:  # noqa: BLE001 - damaged, or .json of another .pt2: redo
-                self._say(f"accel: compiling {self.name} again: its cached package {path} does "
-                          f"not load ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
-                meta.unlink(missing_ok=True)
-                break
-            self._packages.paths.add(path)
-            entry.append(package)
-            if package.accepts(shapes):
-                _count_event()
-                return package
-        else:
+        package, path = store.find(key, shapes, self._packages.paths, entry,
+                                   lambda message: self._say(f"accel: {self.name}: {message}"))
+        if package is not None:
+            return package
+        if path is None:   # all size patterns of this key taken
             entry.append(_FAILED)
             return _FAILED
         try:
             meta = _export_and_compile(block, weights, self.index, self._attention, args, kwargs,
                                        path)
         except Exception as exc:  # noqa: BLE001 - any failure: the torch.compile path
-            reason = (f"exporting it for AOTInductor failed ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0][:200]})")
-            # recorded for later processes, unless writing was what failed (a full disk)
-            if not isinstance(exc, (OSError, FlowseamError)):
-                with contextlib.suppress(OSError, FlowseamError), atomic_path(failed) as tmp:
-                    tmp.write_text(reason)
+            reason, record = store.record_failure(key, exc)
             self._say(f"accel: {self.name} runs through torch.compile: {reason}"
-                      + (f" (recorded in {failed})" if failed.is_file() else ""))
+                      + (f" (recorded in {record})" if record else ""))
             entry.append(_FAILED)
             return _FAILED
-        package = _Package(path, meta)
+        package = store.Package(path, meta)
         self._packages.paths.add(path)
         entry.append(package)
-        _count_event()
         if not package.accepts(shapes):  # cannot happen: exported from these inputs
             entry.append(_FAILED)
             return _FAILED
@@ -438,20 +362,14 @@ class AOTBlock:
             print(message, file=sys.stderr)
 
 
-def _count_event() -> None:
-    from . import compiled
-
-    compiled.count_compile_event()
-
-
 def _export_and_compile(block, weights, index, attention, args, kwargs, path: Path) -> dict:
     """Export ``block``'s call (parameters and ``index`` as inputs, attention modules as
     ``block_attention`` calls), compile it into the package ``path`` and write its size pattern,
-    output structure and sha256 next to it (``.json``); each written to a temporary file and
-    renamed (:func:`flowseam.media.atomic_path`: a failed compile leaves nothing behind).
+    output structure and sha256 next to it (``.json``) through :func:`flowseam_accel.store.write`
+    (a failed compile leaves nothing behind).
 
     :returns: ``{"pattern": [...], "out": <output treespec>, "sha256": str}`` (see
-        :class:`_Package`).
+        :class:`flowseam_accel.store.Package`).
     """
     from torch.export import Dim
 
@@ -480,32 +398,19 @@ def _export_and_compile(block, weights, index, attention, args, kwargs, path: Pa
     # a call of the platform's kernel (the count is restored), nor a step's text K/V (paused)
     modes = [m.processor._mode for m in saved.values() if hasattr(m.processor, "_mode")]
     calls = [mode.calls for mode in modes]
-    try:  # atomic_path's temporary file keeps the .pt2 suffix aoti_compile_and_package wants
-        with torch.no_grad(), _quiet(), paused(), atomic_path(path) as tmp:
+    try:
+        with torch.no_grad(), store.quiet(), paused():
             _EXPORTING.tracing = True
             program = torch.export.export(_Call(), (weights, index, args, kwargs),
                                           dynamic_shapes=dynamic, strict=False)
             _EXPORTING.tracing = False
-            inputs = [n for n in program.graph.nodes if n.op == "placeholder"][len(weights) + 1:]
-            pattern = [[_dim(size, program.range_constraints) for size in n.meta["val"].shape]
-                       for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)]
             # inductor propagates fake tensors through the graph again: the fake
             # block_attention still needs the attention modules
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-            meta = {"pattern": pattern, "out": pytree.treespec_dumps(program.call_spec.out_spec),
-                    "sha256": _sha256(tmp)}
+            return store.write(program, path, skip=len(weights) + 1)
     finally:
         _EXPORTING.modules = None
         for mode, n in zip(modes, calls):
             mode.calls = n
-    with atomic_path(path.with_suffix(".json")) as tmp:  # last: then the package counts
-        tmp.write_text(json.dumps(meta))
-    return meta
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
 
 
 def _structural_copy(module: torch.nn.Module, replace: dict[str, torch.nn.Module],
@@ -520,41 +425,6 @@ def _structural_copy(module: torch.nn.Module, replace: dict[str, torch.nn.Module
             None if child is None else _structural_copy(child, replace, f"{prefix}{name}."))
         for name, child in module._modules.items()}
     return clone
-
-
-def _dim(size, ranges) -> int | list:
-    """An exported input size as :class:`_Package` checks it: ``int`` or ``[symbol, low, high]``."""
-    expr = size.node.expr if isinstance(size, torch.SymInt) else size
-    if getattr(expr, "is_number", True):
-        return int(expr)
-    if not expr.is_symbol:
-        raise ValueError(f"an input size is an expression of others ({expr})")
-    return [str(expr), int(ranges[expr].lower), _upper(ranges[expr].upper)]
-
-
-def _upper(value) -> int:
-    try:
-        return int(value)
-    except Exception:  # noqa: BLE001 - torch's int_oo (no upper bound) has no int value
-        return sys.maxsize
-
-
-@contextlib.contextmanager
-def _quiet():
-    """torch.export warns for each size it specializes (0/1), and torch's own pytree code for
-    a deprecated spec class it uses itself; both are expected here."""
-    import logging
-    import warnings
-
-    log = logging.getLogger("torch._export.non_strict_utils")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            yield
-    finally:
-        log.setLevel(level)
 
 
 def dispatcher(block: torch.nn.Module, name: str, packages: Packages,

@@ -1,0 +1,233 @@
+"""The on-disk store of accel's AOTInductor packages, shared by everything accel compiles ahead
+of time (the DiT blocks, :mod:`flowseam_accel.aot`).
+
+A package is a ``torch.export``'ed program compiled by
+``torch._inductor.aoti_compile_and_package`` (torch's documentation "AOTInductor"): a shared
+library with a C++ wrapper that a later process loads with
+``torch._C._aoti.AOTIModelPackageLoader`` in milliseconds, without importing inductor or
+tracing with dynamo, and calls with a flat list of tensors.
+
+Layout
+    ``<inductor cache dir>/flowseam_accel_aot/`` (:func:`folder`: under
+    ``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``) holds, per key (a hash
+    the caller computes from everything the generated code depends on):
+
+    * ``<key>-<n>.pt2``, ``n`` = 0 .. 15: one package per input size pattern;
+    * ``<key>-<n>.json``: ``{"pattern": [...], "out": <output treespec>, "sha256": <of the .pt2>}``
+      (the pattern: per tensor input, per dimension, an exact size or ``[symbol, low, high]``,
+      see :class:`Package`); written last, so a package without one does not count;
+    * ``<key>.failed``: why exporting or compiling for that key failed (the caller then takes its
+      ``torch.compile`` path, in this process and in later ones).
+
+    Every file is written to a temporary file and renamed (:func:`flowseam.media.atomic_path`),
+    so a killed or failed compile leaves no half package. Delete a file, or the folder, to
+    compile again; a ``.pt2`` that does not load or does not match its ``.json``'s sha256 is
+    compiled again.
+
+Switch
+    ``FLOWSEAM_ACCEL_AOT=0`` turns the packages off (:func:`enabled`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from flowseam.errors import FlowseamError
+from flowseam.media import atomic_path
+from torch.utils import _pytree as pytree
+
+AOT_ENV = "FLOWSEAM_ACCEL_AOT"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+MAX_PATTERNS = 16   # size patterns (packages) kept per key
+
+
+def enabled() -> bool:
+    """Whether accel uses AOTInductor packages: ``FLOWSEAM_ACCEL_AOT``, default on.
+
+    :raises ValueError: for a value that is neither on (``1``, ``true``, ``yes``, ``on``) nor
+        off (``0``, ``false``, ``no``, ``off``), naming it: accel reads it before it loads a DiT.
+    """
+    raw = os.environ.get(AOT_ENV, "1")
+    value = raw.strip().lower()
+    if value not in _ON + _OFF:
+        raise ValueError(f"{AOT_ENV}={raw!r} is not a switch: use one of "
+                         f"{', '.join(_ON)} (packages on) or {', '.join(_OFF)} (off)")
+    return value in _ON
+
+
+def folder() -> Path:
+    """``<inductor cache dir>/flowseam_accel_aot`` (not created here)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "flowseam_accel_aot"
+
+
+def count_event() -> None:
+    """Book that the current call built or loaded a package (:mod:`flowseam_accel.compiled`)."""
+    from . import compiled
+
+    compiled.count_compile_event()
+
+
+class Package:
+    """A loaded package and the input sizes it accepts: per tensor argument, per dimension, an
+    ``int`` (that exact size) or ``(symbol, low, high)`` (any size in ``[low, high]``, equal
+    wherever the symbol recurs).
+
+    :raises ValueError: when ``meta``'s sha256 is not the package's (a ``.json`` and a ``.pt2``
+        of two different writes); the loader's ``RuntimeError`` for a damaged package.
+    """
+
+    def __init__(self, path: Path, meta: dict) -> None:
+        if sha256(path) != meta["sha256"]:
+            raise ValueError("the package is not the one its size pattern was written for")
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        self.pattern = [[tuple(d) if isinstance(d, list) else d for d in dims]
+                        for dims in meta["pattern"]]
+        self.out_spec = pytree.treespec_loads(meta["out"])
+
+    def __call__(self, flat: list[torch.Tensor]) -> Any:
+        """Run on ``flat`` (the exported program's inputs, in order; the list is consumed);
+        the outputs in the program's output structure."""
+        return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
+
+    def accepts(self, shapes: tuple) -> bool:
+        if len(shapes) != len(self.pattern):
+            return False
+        seen: dict[str, int] = {}
+        for shape, dims in zip(shapes, self.pattern):
+            if len(shape) != len(dims):
+                return False
+            for size, d in zip(shape, dims):
+                if isinstance(d, int):
+                    if size != d:
+                        return False
+                elif not (d[1] <= size <= d[2]) or seen.setdefault(d[0], size) != size:
+                    return False
+        return True
+
+
+def recorded_failure(key: str) -> tuple[Path, str] | None:
+    """``(record, reason)`` when an earlier process recorded that ``key`` failed, else ``None``."""
+    failed = folder() / f"{key}.failed"
+    return (failed, failed.read_text()) if failed.is_file() else None
+
+
+def record_failure(key: str, exc: BaseException) -> tuple[str, Path | None]:
+    """``(reason, record)``: why exporting or compiling for ``key`` failed, recorded in
+    ``<key>.failed`` for later processes unless writing was what failed (an ``OSError`` or
+    :class:`flowseam.errors.FlowseamError`, e.g. a full disk; then ``record`` is ``None``)."""
+    reason = f"exporting it for AOTInductor failed ({_first_line(exc)})"
+    failed = folder() / f"{key}.failed"
+    if not isinstance(exc, (OSError, FlowseamError)):
+        with contextlib.suppress(OSError, FlowseamError), atomic_path(failed) as tmp:
+            tmp.write_text(reason)
+    return reason, (failed if failed.is_file() else None)
+
+
+def find(key: str, shapes: tuple, loaded: set[Path], found: list,
+         say: Callable[[str], None]) -> tuple[Package | None, Path | None]:
+    """Load ``key``'s packages not in ``loaded`` yet, in order, until one accepts ``shapes``.
+
+    Each package loaded is appended to ``found`` and its path added to ``loaded`` (so a process
+    loads a package once). A package that does not load is announced through ``say`` and its
+    ``.json`` removed (it is compiled again).
+
+    :returns: ``(package, None)`` for a package that accepts ``shapes`` (booked with
+        :func:`count_event`); ``(None, path)`` with the path for a new package of ``key``; or
+        ``(None, None)`` when all :data:`MAX_PATTERNS` are taken.
+    """
+    base = folder()
+    for suffix in range(MAX_PATTERNS):
+        path = base / f"{key}-{suffix}.pt2"
+        meta = path.with_suffix(".json")
+        if path in loaded:
+            continue
+        if not meta.exists():
+            return None, path
+        try:
+            package = Package(path, json.loads(meta.read_text()))
+        except Exception as exc:  # noqa: BLE001 - damaged, or .json of another .pt2: redo
+            say(f"compiling again: the cached package {path} does not load ({_first_line(exc)})")
+            meta.unlink(missing_ok=True)
+            return None, path
+        loaded.add(path)
+        found.append(package)
+        if package.accepts(shapes):
+            count_event()
+            return package, None
+    return None, None
+
+
+def write(program: torch.export.ExportedProgram, path: Path, skip: int = 0) -> dict:
+    """Compile ``program`` into the package ``path`` and write its ``.json`` (size pattern of its
+    inputs after the first ``skip``, output structure, sha256), each to a temporary file renamed
+    into place, the ``.json`` last.
+
+    :returns: the ``.json``'s content (see :class:`Package`).
+    :raises ValueError: when an input size is an expression of others (not a pattern); any
+        error of the compile (nothing is left behind).
+    """
+    inputs = [n for n in program.graph.nodes if n.op == "placeholder"][skip:]
+    pattern = [[_dim(size, program.range_constraints) for size in n.meta["val"].shape]
+               for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)]
+    # atomic_path's temporary file keeps the .pt2 suffix aoti_compile_and_package wants
+    with atomic_path(path) as tmp:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+        meta = {"pattern": pattern, "out": pytree.treespec_dumps(program.call_spec.out_spec),
+                "sha256": sha256(tmp)}
+    with atomic_path(path.with_suffix(".json")) as tmp:  # last: then the package counts
+        tmp.write_text(json.dumps(meta))
+    count_event()
+    return meta
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _dim(size, ranges) -> int | list:
+    """An exported input size as :class:`Package` checks it: ``int`` or ``[symbol, low, high]``."""
+    expr = size.node.expr if isinstance(size, torch.SymInt) else size
+    if getattr(expr, "is_number", True):
+        return int(expr)
+    if not expr.is_symbol:
+        raise ValueError(f"an input size is an expression of others ({expr})")
+    return [str(expr), int(ranges[expr].lower), _upper(ranges[expr].upper)]
+
+
+def _upper(value) -> int:
+    try:
+        return int(value)
+    except Exception:  # noqa: BLE001 - torch's int_oo (no upper bound) has no int value
+        return sys.maxsize
+
+
+@contextlib.contextmanager
+def quiet():
+    """torch.export warns for each size it specializes (0/1), and torch's own pytree code for
+    a deprecated spec class it uses itself; both are expected while exporting."""
+    import logging
+    import warnings
+
+    log = logging.getLogger("torch._export.non_strict_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            yield
+    finally:
+        log.setLevel(level)
