@@ -9,7 +9,10 @@ default tiny checkpoint to keep the cold compile short.
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from importlib import metadata
 from itertools import pairwise
 
@@ -237,6 +240,64 @@ def test_a_new_sigma_resolution_or_storage_dtype_never_recompiles(accel):
     for name in ("flow_match_step", "flow_sde_step.sample", "flow_sde_step.log_prob"):
         assert after[name]["compiles"] == report[name]["compiles"], name
         assert after[name]["calls"] > report[name]["calls"]
+
+
+_KERNELS_IN_A_NEW_PROCESS = """
+import json, sys
+import numpy as np, torch
+from flowseam.ops import eager, reference
+from flowseam_accel import compiled, kernels
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+x64, v64, n64 = rand(2, 4, 3, 6, seed=1), rand(2, 4, 3, 6, seed=2), rand(2, 4, 3, 6, seed=3)
+x, v, noise = x64.float(), v64.float(), n64.float()
+rtol, atol = reference.TOLERANCES["float32"]
+diffs = {}  # max |got - want| / (atol + rtol |want|): within the float32 tolerance when <= 1
+
+def check(name, got, want):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    diffs[name] = float(np.max(np.abs(got - want) / (atol + rtol * np.abs(want))))
+
+check("flow_match_step", kernels.flow_match_step(x, v, 0.6, 0.45), reference.flow_match_step(x, v, 0.6, 0.45))
+sde = kernels.flow_sde_step(x, v, 0.6, 0.45, noise=noise)
+ref = reference.flow_sde_step(x, v, 0.6, 0.45, noise=noise)
+for field in ("sample", "mean", "log_prob"):
+    check(f"flow_sde_step.{field}", getattr(sde, field), getattr(ref, field))
+v_grad, v_cpu = v.clone().requires_grad_(True), v.clone().requires_grad_(True)
+kernels.flow_sde_step(x, v_grad, 0.6, 0.45, prev_sample=sde.sample).log_prob.sum().backward()
+eager.flow_sde_step(x, v_cpu, 0.6, 0.45, prev_sample=sde.sample).log_prob.sum().backward()
+check("flow_sde_step.grad_v", v_grad.grad, v_cpu.grad)
+check("flow_renoise", kernels.flow_renoise(x, noise, 0.3), reference.flow_renoise(x, noise, 0.3))
+from torch._dynamo.utils import counters
+report = compiled.compile_report()
+print(json.dumps({"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"],
+                  "diffs": diffs,
+                  "compiles": {k: e["compiles"] for k, e in report["entries"].items()},
+                  "compiler_imported": "torch._inductor.compile_fx" in sys.modules}))
+"""
+
+
+def test_float32_solver_kernels_run_aot_packages_a_new_process_traces_nothing(accel):
+    """flowseam_accel.compiled.AOTFunction: on the CPU, accel's float32 solver kernels (Euler,
+    SDE sample, log-prob and its backward, re-noise) run AOTInductor packages, so a new process
+    on a filled cache calls all five without dynamo building a graph or inductor's compiler
+    being imported, and their results equal the float64 oracle (the backward: cpu's autograd)."""
+    x, v = _rand(2, 4, 3, 6, seed=1), _rand(2, 4, 3, 6, seed=2)
+    out = accel.kernels.get(ops.FLOW_SDE_STEP)(x, v.requires_grad_(True), 0.6, 0.45)
+    out.log_prob.sum().backward()                  # fills the cache (loaded, or built once)
+    accel.kernels.get(ops.FLOW_MATCH_STEP)(x, v.detach(), 0.6, 0.45)
+    accel.kernels.get(ops.FLOW_RENOISE)(x, v.detach(), 0.3)
+    run = subprocess.run([sys.executable, "-c", _KERNELS_IN_A_NEW_PROCESS], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert (result["graphs"], result["frames"], result["compiler_imported"]) == (0, 0, False), result
+    # each kernel loaded its package once: booked as one compile, nothing traced
+    assert result["compiles"] == {"flow_match_step": 1, "flow_renoise": 1, "flow_sde_step.backward": 1,
+                                  "flow_sde_step.log_prob": 1, "flow_sde_step.sample": 1}
+    assert len(result["diffs"]) == 6 and max(result["diffs"].values()) <= 1, result["diffs"]
 
 
 # -- components --------------------------------------------------------------------------------

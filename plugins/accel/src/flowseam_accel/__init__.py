@@ -44,9 +44,10 @@ Reusing compiled code across processes
     forward/backward split on top of it. Both live under ``TORCHINDUCTOR_CACHE_DIR`` (default
     ``/tmp/torchinductor_<user>``). A later process still traces with dynamo (that part is not
     cached; regional compilation keeps it to one block per block class) but then loads instead
-    of compiling. The DiT blocks' no-grad calls skip dynamo altogether: their AOTInductor
-    packages (:mod:`flowseam_accel.aot`) are stored under the same directory and loaded as they
-    are (figures: ``bench/backends.py --cold``, in the README's benchmark table). To keep the cache across machines or CI runs, point
+    of compiling. The DiT blocks' no-grad calls and the float32 solver kernels on the CPU skip
+    dynamo altogether: their AOTInductor packages (:mod:`flowseam_accel.aot`,
+    :mod:`flowseam_accel.kernels`) are stored under the same directory
+    (:mod:`flowseam_accel.store`) and loaded as they are (figures: ``bench/backends.py --cold``, in the README's benchmark table). To keep the cache across machines or CI runs, point
     ``TORCHINDUCTOR_CACHE_DIR`` at a persistent directory before the first compile (or ship the
     artifacts with ``torch.compiler.save_cache_artifacts()`` / ``load_cache_artifacts()``), and
     keep torch, this package and the inductor config the same: any change is a new key, i.e. a

@@ -1,5 +1,10 @@
 """Compile once per module and input signature; book compile seconds apart from run seconds.
 
+Two compilers: ``torch.compile`` (below), and for the CPU calls of the solver kernels
+AOTInductor packages (:class:`AOTFunction`, :func:`compile_function`'s ``aot``), which a later
+process loads without dynamo; the DiT blocks' packages are :mod:`flowseam_accel.aot`'s. Both
+kinds live in :mod:`flowseam_accel.store`.
+
 ``torch.compile`` is lazy. The first call with a new input *signature* (shapes, dtypes, devices,
 grad mode) traces the function with dynamo and generates code with inductor, then runs it; later
 calls with the same signature only check the guards and run the generated code. So a compiled
@@ -15,6 +20,9 @@ How the two are separated
     **run** time. A compile call's seconds include its one execution (separating them would mean
     running twice); on CUDA it synchronizes the device before stopping the clock, while run calls do
     not (their seconds are host-side launch time, like any asynchronous CUDA call).
+
+    Building or loading an AOTInductor package is booked the same way
+    (:func:`count_compile_event`): a compile call whose signature is recorded.
 
     Caveat: the counter is process-wide, so a *different* compiled function compiling in another
     thread during one of ours is booked to ours.
@@ -176,22 +184,193 @@ class Timed:
         return f"<Timed {self.name!r} {self.fn!r}>"
 
 
-def compile_function(fn: Callable, name: str, **options: Any) -> Timed:
-    """``torch.compile(fn, **options)``, timed under ``name``.
+def compile_function(fn: Callable, name: str, *, aot: tuple | None = None,
+                     aot_dtypes: tuple[torch.dtype, ...] = (), **options: Any) -> Timed:
+    """``torch.compile(fn, **options)``, timed under ``name``; with ``aot``, calls on the CPU run
+    an AOTInductor package of ``fn`` instead (:class:`AOTFunction`), which a later process loads
+    without dynamo.
 
-    The compiled wrapper is created on the first call, so importing a module full of compiled
-    kernels (as flowseam's discovery does) does not import dynamo.
+    :param aot: per positional argument of ``fn`` (all tensors), a tuple of dimension names, one
+        per dimension: a name is a dynamic size (equal names, equal sizes), ``None`` the size of
+        the first call. ``None``: no packages.
+    :param aot_dtypes: the dtypes of the first argument whose calls get packages (the others
+        take the ``torch.compile`` path).
+
+    The ``torch.compile`` wrapper is created on the first call that needs it, so importing a
+    module full of compiled kernels (as flowseam's discovery does) does not import dynamo, and a
+    process whose calls all run packages never imports inductor's compiler.
     """
     compiled: Callable | None = None
+    packaged = AOTFunction(fn, name, aot, aot_dtypes) if aot is not None else None
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
+        if packaged is not None and not kwargs:
+            out = packaged(*args)
+            if out is not NotImplemented:
+                return out
         if compiled is None:
             compiled = torch.compile(fn, **options)
         return compiled(*args, **kwargs)
 
+    call.aot = packaged
     return Timed(name, call)
+
+
+_FAILED = object()   # exporting or compiling a package for these dtypes failed
+
+
+def _source(fn: Callable) -> str:
+    """``fn``'s source code (its bytecode and names where the source is not installed)."""
+    import inspect
+
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        code = fn.__code__
+        return f"{code.co_code.hex()} {code.co_names} {code.co_varnames}"
+_AOT_SWITCH: list[bool] = []   # FLOWSEAM_ACCEL_AOT, read on the first packaged call
+
+
+class AOTFunction:
+    """The CPU calls of a plain tensor function (accel's solver kernels) through AOTInductor
+    packages of :mod:`flowseam_accel.store`: one package per dtypes of the arguments, exported
+    with ``torch.export`` with the sizes named in ``dims`` dynamic (at least 1, no upper bound),
+    compiled on the first call whose package is not on disk yet and loaded (milliseconds, no
+    dynamo) by every later process.
+
+    ``__call__`` returns :data:`NotImplemented` for a call it does not run, and the caller takes
+    its ``torch.compile`` path: an argument off the CPU, a first argument whose dtype is not in
+    ``dtypes``, a dynamic size of 0 (torch specializes it), keyword arguments,
+    ``FLOWSEAM_ACCEL_AOT=0`` (read once per process, on the first call: a value that is not a
+    switch raises ``ValueError``), or dtypes whose export or compile failed (recorded in the
+    store; said once when flowseam's notices are on). Which path a call takes depends only on
+    its arguments' devices, dtypes and sizes and on the store, so two calls with the same
+    arguments run the same code (what :mod:`flowseam_accel.kernels` needs for its bit-for-bit
+    log-prob recompute).
+
+    Key of a package (:func:`_key`): torch's, Python's and accel's versions, the CPU capability,
+    ``name``, the function's source code, the arguments' dtypes and ``dims``.
+    """
+
+    def __init__(self, fn: Callable, name: str, dims: tuple, dtypes: tuple[torch.dtype, ...]) -> None:
+        self.fn, self.name, self.dims, self.dtypes = fn, name, dims, dtypes
+        self._dynamic = [[j for j, d in enumerate(names) if d is not None] for names in dims]
+        self._by_dtypes: dict[tuple, list] = {}   # argument dtypes -> packages (or _FAILED)
+        self._loaded: set = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        if (args[0].dtype not in self.dtypes or len(args) != len(self.dims)
+                or any(a.device.type != "cpu" for a in args)):
+            return NotImplemented
+        if not _AOT_SWITCH:
+            from .store import enabled
+
+            _AOT_SWITCH.append(enabled())
+        if not _AOT_SWITCH[0]:
+            return NotImplemented
+        shapes = tuple(a.shape for a in args)
+        if any(shape[j] == 0 for shape, dyn in zip(shapes, self._dynamic) for j in dyn):
+            return NotImplemented
+        dtypes = tuple(a.dtype for a in args)
+        with self._lock:   # a package's runner is not reentrant; builds happen once
+            package = self._find(dtypes, shapes)
+            if package is None:
+                package = self._build(args, dtypes, shapes)
+            if package is _FAILED:
+                return NotImplemented
+            # contiguous, as exported: the generated code computes strides from the sizes
+            return package([a.contiguous() for a in args])
+
+    def _find(self, dtypes: tuple, shapes: tuple) -> Any:
+        entry = self._by_dtypes.get(dtypes, ())
+        for package in entry:
+            if package is not _FAILED and package.accepts(shapes):
+                return package
+        return _FAILED if _FAILED in entry else None
+
+    def _key(self, args: tuple) -> str:
+        import hashlib
+        import json
+        import sys
+
+        from . import __version__
+
+        described = {
+            "torch": torch.__version__, "accel": __version__, "python": sys.version_info[:2],
+            "cpu": torch.backends.cpu.get_cpu_capability(), "name": self.name,
+            "source": _source(self.fn), "dtypes": [str(a.dtype) for a in args],
+            "dims": [list(d) for d in self.dims],
+        }
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
+
+    def _build(self, args: tuple, dtypes: tuple, shapes: tuple) -> Any:
+        """Load the package for these dtypes from the store, or export and compile it there."""
+        from . import store
+
+        entry = self._by_dtypes.setdefault(dtypes, [])
+        key = self._key(args)
+        failed = store.recorded_failure(key)
+        if failed:   # an earlier process could not export it
+            self._say(f"runs through torch.compile: {failed[1]} (recorded in {failed[0]}; "
+                      "delete it to try again)")
+            entry.append(_FAILED)
+            return _FAILED
+        package, path = store.find(key, shapes, self._loaded, entry, self._say)
+        if package is not None:
+            return package
+        if path is not None:
+            try:
+                package = store.Package(path, self._export(args, path))
+            except Exception as exc:  # noqa: BLE001 - any failure: the torch.compile path
+                reason, record = store.record_failure(key, exc)
+                self._say(f"runs through torch.compile: {reason}"
+                          + (f" (recorded in {record})" if record else ""))
+            else:
+                self._loaded.add(path)
+                entry.append(package)
+                if package.accepts(shapes):
+                    return package
+        entry.append(_FAILED)   # all size patterns taken, or the export failed
+        return _FAILED
+
+    def _export(self, args: tuple, path) -> dict:
+        """Export ``fn`` on fresh example tensors (the call's static sizes; distinct sizes per
+        dynamic name; never the call's own tensors, which may alias one another) and compile
+        it into ``path`` (:func:`flowseam_accel.store.write`)."""
+        from torch.export import Dim
+
+        from . import store
+
+        names = list(dict.fromkeys(d for names in self.dims for d in names if d is not None))
+        symbols = {n: Dim(n, min=1) for n in names}
+        example = {n: 3 + 2 * i for i, n in enumerate(names)}
+        seeded = torch.Generator().manual_seed(0)   # the global RNG stays untouched
+        inputs = tuple(torch.randn([example[d] if d is not None else size
+                                    for d, size in zip(names_, a.shape)],
+                                   dtype=a.dtype, generator=seeded)
+                       for names_, a in zip(self.dims, args))
+        dynamic = tuple({j: symbols[d] for j, d in enumerate(names_) if d is not None}
+                        for names_ in self.dims)
+        fn = self.fn
+
+        class _Call(torch.nn.Module):
+            def forward(self, *tensors):
+                return fn(*tensors)
+
+        with torch.no_grad(), store.quiet():
+            program = torch.export.export(_Call(), inputs, dynamic_shapes=(dynamic,), strict=False)
+            return store.write(program, path)
+
+    def _say(self, message: str) -> None:
+        from flowseam.console import notices_enabled
+
+        if notices_enabled():
+            import sys
+
+            print(f"accel: {self.name}: {message}", file=sys.stderr)
 
 
 def compile_module(module: torch.nn.Module, name: str, **options: Any) -> torch.nn.Module:

@@ -1,10 +1,24 @@
-"""accel's solver kernels: the op contracts of :mod:`flowseam.ops`, fused by ``torch.compile``.
+"""accel's solver kernels: the op contracts of :mod:`flowseam.ops`, fused by inductor.
 
 Each public function validates its arguments exactly like every other backend
 (:func:`flowseam.ops.check_step_tensors`, :func:`flowseam.ops.check_sigmas`), computes the
 scalar coefficients of the step in Python float64, and hands the tensor arithmetic to a small
-compiled function that inductor fuses into one loop over the latents. Four choices keep the
-compiled code from being rebuilt during a denoising run, or ever more than a few times:
+compiled function that inductor fuses into one loop over the latents.
+
+Two ways to run that function (:func:`flowseam_accel.compiled.compile_function`)
+    **On the CPU in float32** (accel's DiTs are float32, so every generation, rollout and update
+    of a loop on accel): an AOTInductor package per function (``torch.export`` with the
+    flattened size ``N``, and the batch ``B`` of the log-prob, dynamic from 1 up, no upper bound),
+    compiled once into accel's package store (:mod:`flowseam_accel.store`, next to the DiT
+    blocks' packages) and loaded by every later process in milliseconds, without dynamo: a
+    warm-cache start traces nothing. **Elsewhere** (another device, float64, a size of 0,
+    ``FLOWSEAM_ACCEL_AOT=0``, or a package whose export failed): ``torch.compile``. float64 has no
+    package because each costs 10-15 s of C++ compiling per cache and only tests and oracles step
+    float64 latents. Either way the seconds are booked by :mod:`flowseam_accel.compiled` (a
+    package built or loaded counts as a compile).
+
+Four choices keep the compiled code from being rebuilt during a denoising run, or ever more than
+a few times:
 
 * **Scalars travel as tensors.** ``dt``, the SDE coefficients and ``std`` are packed into a
   small tensor in the compute dtype, so a new sigma is new *data*, not a new graph (a Python
@@ -19,9 +33,10 @@ compiled code from being rebuilt during a denoising run, or ever more than a few
   components produce, and one extra pass for bf16/fp16 latents or velocities. Without this every
   (x, v, noise) dtype combination is its own graph, and dynamo's recompile limit (8 per
   function) is reached quickly.
-* **Shapes are dynamic** (``dynamic=True``): one graph per compute dtype serves every batch size
-  and resolution (torch specializes sizes 0 and 1, and inductor's reduction codegen may add a
-  size-range guard, so the log-prob graph can recompile once for a very different resolution).
+* **Shapes are dynamic** (``dynamic=True``; the packages' sizes from 1 up): one graph per compute
+  dtype serves every batch size and resolution (``torch.compile`` specializes sizes 0 and 1, and
+  inductor's reduction codegen may add a size-range guard, so its log-prob graph can recompile
+  once for a very different resolution; a package serves any size from 1 up).
 
 Dtype rules (shared with the cpu backend): the arithmetic is float32 (float64 when ``x`` is
 float64); the Euler step and the SDE sample come back in ``x``'s dtype; ``mean``, ``std`` and
@@ -30,7 +45,8 @@ float64); the Euler step and the SDE sample come back in ``x``'s dtype; ``mean``
 C2 by construction (``flow_sde_step``). The log-prob of a rollout must be reproduced bit for bit
 when it is recomputed from ``prev_sample``. Rather than hoping that two differently fused graphs
 round identically, both paths compute ``mean`` and ``log_prob`` with the *same* compiled
-function from the *returned* sample: the rollout first draws the sample (one fused pass over
+function from the *returned* sample (the same package or graph: which one runs depends only on
+the arguments' device, dtypes and sizes and on the package store, never on the grad mode): the rollout first draws the sample (one fused pass over
 x, v and noise), then runs that function on (x, v, sample) exactly as the recompute does. The
 price is one extra read of x and v per rollout step. That function runs inside a
 ``torch.autograd.Function`` with the analytic backward (``mean`` is linear in x and v), so a
@@ -108,11 +124,23 @@ def _renoise(x0: torch.Tensor, noise: torch.Tensor, coef: torch.Tensor) -> torch
     return x0 * coef[0] + noise * coef[1]
 
 
-_EULER = compile_function(_euler, "flow_match_step", **_OPTIONS)
-_RENOISE = compile_function(_renoise, "flow_renoise", **_OPTIONS)
-_SDE_SAMPLE = compile_function(_sde_sample, "flow_sde_step.sample", **_OPTIONS)
-_SDE_MEAN_LOG_PROB = compile_function(_sde_mean_log_prob, "flow_sde_step.log_prob", **_OPTIONS)
-_SDE_BACKWARD = compile_function(_sde_backward, "flow_sde_step.backward", **_OPTIONS)
+# Packages (flowseam_accel.compiled.AOTFunction) for the CPU calls: one per function, the
+# flattened sizes dynamic (the coefficient tensors keep theirs). float32 only: each package costs
+# 10-15 s of C++ compiling once per cache, and float64 latents are what tests and oracles use,
+# never accel's float32 DiTs; float64 calls keep the torch.compile path.
+_N, _BN = ("N",), ("B", "N")
+_AOT_DTYPES = (torch.float32,)
+
+
+def _kernel(fn, name: str, *dims: tuple):
+    return compile_function(fn, name, aot=dims, aot_dtypes=_AOT_DTYPES, **_OPTIONS)
+
+
+_EULER = _kernel(_euler, "flow_match_step", _N, _N, ())
+_RENOISE = _kernel(_renoise, "flow_renoise", _N, _N, (None,))
+_SDE_SAMPLE = _kernel(_sde_sample, "flow_sde_step.sample", _N, _N, _N, (None,))
+_SDE_MEAN_LOG_PROB = _kernel(_sde_mean_log_prob, "flow_sde_step.log_prob", _BN, _BN, _BN, (None,))
+_SDE_BACKWARD = _kernel(_sde_backward, "flow_sde_step.backward", _BN, ("B",), _BN, _BN, (None,))
 
 
 class _EulerStep(torch.autograd.Function):

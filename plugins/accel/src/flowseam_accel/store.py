@@ -1,5 +1,6 @@
 """The on-disk store of accel's AOTInductor packages, shared by everything accel compiles ahead
-of time (the DiT blocks, :mod:`flowseam_accel.aot`).
+of time: the DiT blocks (:mod:`flowseam_accel.aot`) and the solver kernels
+(:class:`flowseam_accel.compiled.AOTFunction`, used by :mod:`flowseam_accel.kernels`).
 
 A package is a ``torch.export``'ed program compiled by
 ``torch._inductor.aoti_compile_and_package`` (torch's documentation "AOTInductor"): a shared
