@@ -222,14 +222,19 @@ _FAILED = object()   # exporting or compiling a package for these dtypes failed
 
 
 def _source(fn: Callable) -> str:
-    """``fn``'s source code (its bytecode and names where the source is not installed)."""
+    """``fn``'s source code (its bytecode and names where the source is not installed) and the
+    values of the plain module constants it reads (``_A``, ``_STD``, ...): what the export
+    freezes into a package."""
     import inspect
 
+    code = fn.__code__
     try:
-        return inspect.getsource(fn)
+        text = inspect.getsource(fn)
     except (OSError, TypeError):
-        code = fn.__code__
-        return f"{code.co_code.hex()} {code.co_names} {code.co_varnames}"
+        text = f"{code.co_code.hex()} {code.co_names} {code.co_varnames}"
+    constants = {n: repr(fn.__globals__[n]) for n in code.co_names
+                 if isinstance(fn.__globals__.get(n), (int, float, bool, str))}
+    return f"{text}\n{sorted(constants.items())}"
 _AOT_SWITCH: list[bool] = []   # FLOWSEAM_ACCEL_AOT, read on the first packaged call
 
 
@@ -250,8 +255,9 @@ class AOTFunction:
     arguments run the same code (what :mod:`flowseam_accel.kernels` needs for its bit-for-bit
     log-prob recompute).
 
-    Key of a package (:func:`_key`): torch's, Python's and accel's versions, the CPU capability,
-    ``name``, the function's source code, the arguments' dtypes and ``dims``.
+    Key of a package (:meth:`_key`): torch's, Python's and accel's versions, the CPU capability,
+    ``name``, the function's source code and the plain module constants it reads, the
+    arguments' dtypes and ``dims``.
     """
 
     def __init__(self, fn: Callable, name: str, dims: tuple, dtypes: tuple[torch.dtype, ...]) -> None:
