@@ -386,13 +386,18 @@ def test_a_first_call_says_it_may_compile_when_notices_are_on(accel, tiny_wan, m
 
 
 def test_no_grad_calls_run_an_aot_package_a_new_model_loads_without_tracing(accel, cpu, tiny_wan):
-    """flowseam_accel.aot: a block's no-grad call runs its AOTInductor package, the attention
-    modules called back eagerly (still through the platform's kernel); a new model of the same
-    config (as in a new process) loads that package from disk and dynamo traces nothing; a
-    batch size outside a package's size pattern gets a package of its own, never a wrong one."""
+    """flowseam_accel.aot: a block's no-grad call runs its AOTInductor package, with the
+    attention projections inside and the attention kernel called back (still the platform's,
+    still counted), and the text keys/values that flowseam.step_constants reuses across steps
+    called back and reused (Wan's STEP_CONSTANTS installed, as a loaded model has them); a new
+    model of the same config (as in a new process) loads that package from disk and dynamo
+    traces nothing; a batch size outside a package's size pattern gets a package of its own,
+    never a wrong one."""
     from pathlib import Path
 
+    from flowseam import step_constants
     from flowseam.attention import route_attention
+    from flowseam.models.wan import WanT2V
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
@@ -402,6 +407,7 @@ def test_no_grad_calls_run_an_aot_package_a_new_model_loads_without_tracing(acce
     def routed_dit():
         dit = accel.build_component("dit", spec)
         route_attention(dit, accel.kernels.get(ops.ATTENTION))
+        step_constants.install(dit, WanT2V.STEP_CONSTANTS)
         return dit
 
     def inputs(batch):
@@ -421,6 +427,20 @@ def test_no_grad_calls_run_an_aot_package_a_new_model_loads_without_tracing(acce
         assert _entry(name)["compiles"] - before["compiles"] == 1  # the load, booked once
         assert (out - want).abs().max().item() < 1e-4
         assert sum(p._mode.calls for p in procs) - sdpa_calls == 4   # 2 blocks x 2 attentions
+        aot = dit.blocks[0]._compiled_call_impl.fn.aot
+        assert aot._inline == ("attn1", "attn2")                   # traced into the package
+        assert set(aot._callbacks) == {"attn2.to_k", "attn2.to_v", "attn2.norm_k"}
+        # inside a loop's scope the second step reuses every block's text K/V: each module's
+        # kept entry is untouched (a miss replaces it); norm_k's input is to_k's copy, swapped
+        # back for to_k's own output, so it matches by identity
+        reused = [dit.get_submodule(f"blocks.{i}.{n}") for i in range(2) for n in aot._callbacks]
+        with step_constants.reuse_across_steps():
+            first = dit(*inputs(1), return_dict=False)[0]
+            kept = [step_constants._LOCAL.outputs[id(m)] for m in reused]
+            second = dit(*inputs(1), return_dict=False)[0]
+            assert all(step_constants._LOCAL.outputs[id(m)] is k for m, k in zip(reused, kept))
+        assert torch.equal(first, out) and torch.equal(second, out)
+        assert sum(p._mode.calls for p in procs) - sdpa_calls == 12
         out, want = dit(*inputs(2), return_dict=False)[0], ref(*inputs(2), return_dict=False)[0]
     assert out.shape[0] == 2 and (out - want).abs().max().item() < 1e-4
     assert _graphs_built() == graphs
@@ -437,12 +457,15 @@ def test_threads_calling_one_compiled_dit_at_once_all_finish_with_the_right_resu
     hangs: the waiting thread holds the GIL, so not even the join's timeout returns."""
     import threading
 
+    from flowseam import step_constants
     from flowseam.attention import route_attention
+    from flowseam.models.wan import WanT2V
 
     spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
     dit, ref = accel.build_component("dit", spec), cpu.build_component("dit", spec)
     route_attention(dit, accel.kernels.get(ops.ATTENTION))
     route_attention(ref, cpu.kernels.get(ops.ATTENTION))
+    step_constants.install(dit, WanT2V.STEP_CONSTANTS)   # as loaded: the previous test's package
     latents, t = _rand(1, dit.config.in_channels, 1, 8, 8, seed=40), torch.tensor([500.0])
     text = _rand(1, 6, dit.config.text_dim, seed=41)
     with torch.no_grad():

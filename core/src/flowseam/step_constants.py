@@ -116,3 +116,9 @@ def install(module: torch.nn.Module, suffixes: tuple[str, ...]) -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def reuses_outputs(module: torch.nn.Module) -> bool:
+    """Whether :func:`install` gave ``module`` the reusing forward (a compiler that traces the
+    DiT keeps such a module a call of its own, or it would recompute it at every step)."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _reusing_forward

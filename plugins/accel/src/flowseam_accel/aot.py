@@ -10,16 +10,33 @@ Why
     milliseconds, and calling it checks no guards and runs no Python between its kernels.
 
 What is compiled
-    The block's own computation (modulation, norms, residuals, feed-forward) with **the
-    parameters as inputs** (``torch.func.functional_call``), so one package serves every block of
-    the class, a weight sync that copies new values in needs no new package (an adapter adds
-    peft modules: those calls take the ``torch.compile`` path, see below), and nothing of a checkpoint is written to disk. Each **attention module** of the
-    block (every submodule with an attention ``processor``) stays out of the graph: the package
-    calls back into Python through the custom op ``flowseam_accel::block_attention`` (the
-    block's index and the module's name are its arguments), which runs that module eagerly, with
-    its projections, RoPE, the platform's attention kernel (:mod:`flowseam.attention`) and the
-    cross-attention key/value reuse of :mod:`flowseam.step_constants` — exactly what the
-    regional ``torch.compile`` path (:mod:`flowseam_accel.components`) runs there.
+    The block's whole computation (modulation, norms, residuals, feed-forward, and its attention
+    modules' projections, q/k norms and RoPE) with **the parameters as inputs**
+    (``torch.func.functional_call``), so one package serves every block of the class, a weight
+    sync that copies new values in needs no new package (an adapter adds peft modules: those
+    calls take the ``torch.compile`` path, see below), and nothing of a checkpoint is written to
+    disk. Three things stay out of the graph, each a call of a custom op back into Python with
+    the block's index as an argument:
+
+    - the **attention kernel**: a routed processor's SDPA call
+      (:func:`flowseam.attention.routed_processor`) becomes ``flowseam_accel::attention``, which
+      calls the platform's ``attention`` kernel the processor was routed to and counts the call
+      as the eager route does (the kernel stays the dispatch path, ``DESIGN.md``);
+    - the submodules whose output :mod:`flowseam.step_constants` reuses across the steps of a
+      loop (Wan's ``attn2.to_k``, ``to_v``, ``norm_k``: the text keys and values), through
+      ``flowseam_accel::block_module``, so the package reuses them as the eager model does
+      instead of recomputing them at every step (their outputs are copied for the package, and
+      a copy passed back to the next such module is swapped for its original, so that module's
+      reuse still matches by identity);
+    - an attention module whose processor is not routed: the whole module, through
+      ``flowseam_accel::block_module`` (its processor then calls SDPA itself, as it would in
+      the eager model).
+
+    Until 2026-12-02 every attention module was called back whole (projections, RoPE and the
+    routed kernel in eager Python): on ``bench/backends.py`` (80 tokens, 4 blocks) those
+    callbacks were most of a block's time and accel was no faster than cpu (accel/cpu
+    0.98-1.28); tracing them leaves the kernel and the reused text K/V outside (accel/cpu in the
+    README's benchmark table).
 
     Sizes are dynamic (``torch.export.Dim.AUTO``): the export says which input sizes became
     symbols and their ranges (torch specializes sizes 0 and 1, so a batch of one, i.e. CFG off,
@@ -27,16 +44,18 @@ What is compiled
     the range the package was exported with (checked on every call, a few integer comparisons),
     else a new one is exported. A package's key is a hash of what the generated code depends on:
     torch, diffusers and this package's versions, the CPU capability, the block's module classes
-    and parameter shapes/dtypes, the attention modules' and processors' classes, and the call's
-    structure (which arguments are tensors, their dtypes and ranks, the other arguments' values).
+    and parameter shapes/dtypes, the attention modules' and processors' classes, which
+    submodules are called back, and the call's structure (which arguments are tensors, their
+    dtypes and ranks, the other arguments' values).
 
 When the ``torch.compile`` path runs instead (decided per call)
     gradients enabled (a trainer's recompute: AOTInductor packages are inference-only); a device
     other than the CPU; a block that is not plain torch/diffusers modules outside its attention
     (peft's LoRA layers multiply by Python floats that the package would freeze — adapters stay on
     ``torch.compile``, whose guards see them); hooks on the block or a replaced ``forward`` (diffusers'
-    cache hooks); an argument that is neither a tensor nor a plain constant; an attention module
-    that returns anything but tensors; or an export that fails (said once with the reason when
+    cache hooks); a stateful attention processor (the causal KV cache); an argument that is
+    neither a tensor nor a plain constant; a called-back module that returns anything but
+    tensors; an attention call with a mask; or an export that fails (said once with the reason when
     flowseam's notices are on). ``FLOWSEAM_ACCEL_AOT=0`` turns the packages off (read when accel
     builds a DiT; :func:`enabled`).
 
@@ -52,8 +71,11 @@ Where
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
+import itertools
 import json
+import operator
 import sys
 import threading
 import weakref
@@ -63,7 +85,7 @@ from typing import Any, Optional
 
 import torch
 from flowseam.attention import stock_processor
-from flowseam.step_constants import paused
+from flowseam.step_constants import paused, reuses_outputs
 from torch.utils import _pytree as pytree
 
 from . import store
@@ -85,9 +107,15 @@ class Packages:
         self.paths: set[Path] = set()
 
 
-def _attention_call(module: Callable[[str], torch.nn.Module], call: str, tensors: list) -> Any:
+@functools.lru_cache(maxsize=256)
+def _parse_call(call: str) -> tuple[str, pytree.TreeSpec]:
     name, spec = call.split("|", 1)
-    args, kwargs = pytree.tree_unflatten(list(tensors), pytree.treespec_loads(spec))
+    return name, pytree.treespec_loads(spec)
+
+
+def _attention_call(module: Callable[[str], torch.nn.Module], call: str, tensors: list) -> Any:
+    name, spec = _parse_call(call)
+    args, kwargs = pytree.tree_unflatten(list(tensors), spec)
     return module(name)(*args, **kwargs)
 
 
@@ -98,26 +126,81 @@ def _flat_outputs(out: Any) -> list[torch.Tensor]:
     return leaves
 
 
-def _own(outputs: list[torch.Tensor], inputs: list) -> list[torch.Tensor]:
+def _own(outputs: list[torch.Tensor], inputs: list, copy: bool = False) -> list[torch.Tensor]:
     """Outputs as the custom op must return them: contiguous (the compiled code reads them with
-    the strides the fake implementation gave, which are contiguous) and no input returned."""
-    return [t.clone(memory_format=torch.contiguous_format) if any(t is x for x in inputs)
-            else t.contiguous() for t in outputs]
+    the strides the fake implementation gave, which are contiguous), no input returned, and
+    with ``copy`` none returned as it is."""
+    return [t.clone(memory_format=torch.contiguous_format)
+            if copy or any(t is x for x in inputs) else t.contiguous() for t in outputs]
 
 
-@torch.library.custom_op("flowseam_accel::block_attention", mutates_args=())
-def block_attention(index: torch.Tensor, call: str,
-                    tensors: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
-    """Run attention module ``call`` (``"<name>|<argument structure>"``) of block ``index``
-    eagerly on ``tensors`` (its tensor arguments, flattened); its tensor outputs, flattened and
-    contiguous."""
+# The two operators the packages call back through. Defined with torch.library.Library, not
+# torch.library.custom_op: a custom_op's Python autograd and dispatch wrappers cost about
+# 0.1 ms a call, as much as a small block's compiled code; these have no autograd (packages
+# run without gradients) and the dispatcher calls the Python kernel directly.
+_LIBRARY = torch.library.Library("flowseam_accel", "DEF")  # noqa: TOR901 - kept for the process
+_LIBRARY.define("block_module(Tensor index, str call, Tensor?[] tensors) -> Tensor[]")
+_LIBRARY.define("attention(Tensor index, str name, Tensor query, Tensor key, Tensor value, "
+                "float? scale) -> Tensor")
+
+
+@torch.library.impl(_LIBRARY, "block_module", "CompositeExplicitAutograd")
+def _block_module(index: torch.Tensor, call: str,
+                  tensors: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """Run submodule ``call`` (``"<name>|<argument structure>"``) of block ``index`` eagerly on
+    ``tensors`` (its tensor arguments, flattened); its tensor outputs, flattened, contiguous and
+    owned by the caller (a module that reuses its output across steps returns the tensor it
+    keeps: the compiled code may write into its outputs' buffers, so those are copies)."""
     block = _BLOCKS[int(index)]()
     if block is None:
         raise RuntimeError(f"accel: block {int(index)} of an AOT-compiled DiT no longer exists")
-    return _own(_flat_outputs(_attention_call(block.get_submodule, call, tensors)), tensors)
+    # a copy this op returned earlier, passed back unchanged (its last use has not come yet, so
+    # the compiled code cannot have written into it): the module gets the original, so that a
+    # reusing module (attn2.norm_k after attn2.to_k) matches its input by identity, not by bits
+    tensors = [_originals(t) for t in tensors]
+    originals = _flat_outputs(_attention_call(block.get_submodule, call, tensors))
+    outputs = _own(originals, tensors, copy=True)
+    copies = _COPIES.__dict__.setdefault("by_id", {})
+    if len(copies) > 256:   # copies live for one block call; ids are checked by weakref
+        copies.clear()
+    for copy_, original in zip(outputs, originals):
+        copies[id(copy_)] = (weakref.ref(copy_), original)
+    return outputs
 
 
-@block_attention.register_fake
+_COPIES = threading.local()   # per thread: id(copy block_module returned) -> (weakref, original)
+
+
+def _originals(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    entry = getattr(_COPIES, "by_id", {}).get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else t
+
+
+@torch.library.impl(_LIBRARY, "attention", "CompositeExplicitAutograd")
+def _attention(index: torch.Tensor, name: str, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+    """The platform's attention kernel, as attention module ``name`` of block ``index`` routes
+    it (:func:`flowseam.attention.routed_processor`): ``(B, heads, S_q, D)`` query,
+    ``(B, heads, S_kv, D)`` key/value, float, on the CPU -> ``(B, heads, S_q, D_v)``, contiguous.
+    The call is counted by the processor's route as an eager call is."""
+    block = _BLOCKS[int(index)]()
+    if block is None:
+        raise RuntimeError(f"accel: block {int(index)} of an AOT-compiled DiT no longer exists")
+    route = block.get_submodule(name).processor._mode
+    route.calls += 1
+    return route.attn(query, key, value, attn_mask=None, scale=scale).contiguous()
+
+
+@torch.library.register_fake("flowseam_accel::attention", lib=_LIBRARY)
+def _(index, name, query, key, value, scale):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+block_module = torch.ops.flowseam_accel.block_module.default
+attention = torch.ops.flowseam_accel.attention.default
+
+
+@torch.library.register_fake("flowseam_accel::block_module", lib=_LIBRARY)
 def _(index, call, tensors):
     # Only while a block is exported and compiled. The export runs each attention module on
     # fake tensors and notes how its output sizes follow from its input sizes; inductor's later
@@ -162,9 +245,9 @@ def _size_rule(outputs: list[torch.Tensor], inputs: list) -> list | bool:
     return rule
 
 
-class _AttentionShim(torch.nn.Module):
-    """Stands in for an attention module while its block is exported: the graph gets one
-    ``block_attention`` call with the module's tensor arguments."""
+class _CallbackShim(torch.nn.Module):
+    """Stands in for a submodule that runs eagerly while its block is exported: the graph gets
+    one ``block_module`` call with the module's tensor arguments."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
@@ -174,9 +257,9 @@ class _AttentionShim(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if not all(x is None or isinstance(x, torch.Tensor) for x in leaves):
-            raise TypeError(f"attention module {self.name!r} got a non-tensor argument")
+            raise TypeError(f"submodule {self.name!r} got a non-tensor argument")
         call = f"{self.name}|{pytree.treespec_dumps(spec)}"
-        outs = block_attention(self.index, call, leaves)
+        outs = block_module(self.index, call, leaves)
         return pytree.tree_unflatten(outs, _EXPORTING.out_specs[call])
 
 
@@ -188,6 +271,12 @@ def _attention_names(block: torch.nn.Module) -> list[str]:
     return names
 
 
+def _routed(processor: Any) -> bool:
+    """Whether ``processor`` sends its SDPA call to the platform's kernel through a route the
+    export can replace by :func:`attention` (:func:`flowseam.attention.routed_processor`)."""
+    return processor is not getattr(processor, "inner", processor) and hasattr(processor, "_mode")
+
+
 def _settings(module: torch.nn.Module) -> tuple:
     """The module's plain attributes (``eps``, ``approximate``, ``normalized_shape``,
     ``training``, ...): the export freezes them into the package, so they are part of its key."""
@@ -196,17 +285,31 @@ def _settings(module: torch.nn.Module) -> tuple:
                      isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v))))
 
 
-def _state(module: torch.nn.Module) -> tuple:
-    return (tuple(module._modules.values()), tuple(module._parameters.values()),
-            tuple(module._buffers.values()), len(module._forward_hooks),
-            len(module._forward_pre_hooks), _settings(module), module.__dict__.get("forward"))
+class _Snapshot:
+    """What a block's plan (:meth:`AOTBlock._weights`) depends on: for each of its modules the
+    dicts of children, parameters, buffers and forward (pre-)hooks and the instance ``__dict__``
+    (plain attributes such as ``eps``, an instance ``forward``, an attention ``processor``),
+    with the keys and values they held, compared by identity (immutable values that are the
+    same object are equal; a changed value is a new object). The comparison runs in C
+    (``itertools.chain``, ``map(operator.is_, ...)``): a few microseconds for a block of ~30
+    modules, where building and comparing per-module tuples cost 0.4 ms, about a tenth of the
+    block's compiled code."""
 
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.dicts = [d for m in modules for d in (m._modules, m._parameters, m._buffers,
+                                                    m._forward_hooks, m._forward_pre_hooks,
+                                                    m.__dict__)]
+        self.keys, self.values = self._contents()
 
-def _same(module: torch.nn.Module, state: tuple) -> bool:
-    now = _state(module)
-    return (all(len(a) == len(b) and all(x is y for x, y in zip(a, b))
-                for a, b in zip(now[:3], state[:3]))
-            and now[3:6] == state[3:6] and now[6] is state[6])
+    def _contents(self) -> tuple[list, list]:
+        return (list(itertools.chain.from_iterable(self.dicts)),
+                list(itertools.chain.from_iterable(map(dict.values, self.dicts))))
+
+    def holds(self) -> bool:
+        """Whether every watched dict still holds the same keys and the same objects."""
+        keys, values = self._contents()
+        return (len(values) == len(self.values) and all(map(operator.is_, values, self.values))
+                and all(map(operator.is_, keys, self.keys)))
 
 
 def _plain(module: torch.nn.Module) -> bool:
@@ -231,37 +334,58 @@ class AOTBlock:
         self._packages = packages
         self._cpu = next(iter(block.parameters()), torch.empty(0)).device.type == "cpu"
         self._said: set[str] = set()
-        self._snapshot: list | None = None
+        self._snapshot: _Snapshot | None = None
         self._cached: dict[str, torch.Tensor] | None = None
         self._settings: tuple = ()
+        self._inline: tuple[str, ...] = ()      # attention modules traced into the package
+        self._callbacks: tuple[str, ...] = ()   # submodules the package calls back eagerly
 
     def _weights(self, block: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        """The block's parameters and buffers outside its attention modules, or ``None`` when a
-        module there is not plain torch/diffusers (see the module docstring).
+        """The parameters and buffers the package takes (the block's, less those of the
+        submodules it calls back), or ``None`` when the call must take the ``torch.compile``
+        path: an attention processor that is not one of diffusers' own (stateful), or a module
+        the package would trace that is not plain torch/diffusers (see the module docstring).
+
+        Also decides what the package calls back eagerly (:attr:`_callbacks`): the submodules
+        whose output :mod:`flowseam.step_constants` reuses across steps (the cross-attention's
+        text keys and values: a compiled copy would recompute them at every step) and the
+        attention modules whose processor is not routed through the platform (the package
+        then calls the whole module, whose SDPA call is the processor's own). Routed attention
+        modules are traced into the package (:attr:`_inline`), their SDPA call as
+        :func:`attention`.
 
         Walking the modules costs more than a small block's compiled code, so the result is
         kept with a snapshot of what it depends on (each module's children, parameters,
-        buffers, hooks, plain attributes and instance ``forward``), compared on every call: a
-        LoRA injection, a replaced parameter, a changed ``eps`` or a new hook is seen at once."""
-        snapshot = self._snapshot
-        if snapshot is not None and all(_same(m, state) for m, state in snapshot):
+        buffers, hooks, plain attributes and instance ``forward``, and the processors),
+        compared on every call: a LoRA injection, a replaced parameter, a changed ``eps``, a new
+        hook or processor is seen at once."""
+        if self._snapshot is not None and self._snapshot.holds():
             return self._cached
+        processors = [block.get_submodule(n).processor for n in self._attention]
         weights: dict[str, torch.Tensor] | None = {}
-        modules = []
-        prefixes = tuple(n + "." for n in self._attention)
+        if not all(stock_processor(p) for p in processors):
+            weights = None
+        inline = tuple(n for n, p in zip(self._attention, processors) if _routed(p))
+        callbacks = [n for n in self._attention if n not in inline]
+        modules = [block.get_submodule(n) for n in self._attention]  # their processors
         for mname, module in block.named_modules():
-            if mname in self._attention or mname.startswith(prefixes):
+            if any(mname.startswith(n + ".") for n in callbacks):
                 continue
             modules.append(module)
-            if not _plain(module):
+            if mname in callbacks:
+                continue
+            if mname and reuses_outputs(module):
+                callbacks.append(mname)
+            elif not _plain(module):
                 weights = None
             elif weights is not None:
                 prefix = f"{mname}." if mname else ""
                 weights.update((prefix + n, v) for n, v in module.named_parameters(recurse=False))
                 weights.update((prefix + n, v) for n, v in module.named_buffers(recurse=False))
-        self._snapshot = [(m, _state(m)) for m in modules]
+        self._snapshot = _Snapshot(modules)
         self._cached = weights
         self._settings = tuple(_settings(m) for m in modules)
+        self._inline, self._callbacks = inline, tuple(callbacks)
         return weights
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -271,8 +395,7 @@ class AOTBlock:
                 or torch.nn.modules.module._global_forward_pre_hooks):
             return NotImplemented
         weights = self._weights(block)
-        if weights is None or not all(stock_processor(block.get_submodule(n).processor)
-                                      for n in self._attention):
+        if weights is None:
             return NotImplemented
         leaves, spec = pytree.tree_flatten((args, kwargs))
         # contiguous, as exported: the generated code computes strides from the sizes
@@ -283,7 +406,7 @@ class AOTBlock:
         fast = (str(spec), tuple(x if not isinstance(x, torch.Tensor) else (x.dtype, x.device.type)
                                  for x in leaves),
                 tuple((n, w.dtype, w.shape, w.device.type) for n, w in weights.items()),
-                self._settings)
+                self._settings, self._inline, self._callbacks)
         package = self._find(fast, shapes)
         if package is None:
             package = self._build(block, weights, args, kwargs, leaves, fast, shapes)
@@ -312,6 +435,7 @@ class AOTBlock:
             "modules": [f"{n}:{type(m).__module__}.{type(m).__qualname__}:{_settings(m)!r}"
                         for n, m in block.named_modules()],
             "processors": {n: type(block.get_submodule(n).processor).__qualname__ for n in self._attention},
+            "inline": self._inline, "callbacks": self._callbacks,
             "weights": [(n, tuple(w.shape), str(w.dtype)) for n, w in weights.items()],
             "call": spec_str,
             "leaves": [(str(x.dtype), x.dim()) if isinstance(x, torch.Tensor) else repr(x) for x in leaves],
@@ -338,8 +462,8 @@ class AOTBlock:
             entry.append(_FAILED)
             return _FAILED
         try:
-            meta = _export_and_compile(block, weights, self.index, self._attention, args, kwargs,
-                                       path)
+            meta = _export_and_compile(block, weights, self.index, self._inline,
+                                       self._callbacks, args, kwargs, path)
         except Exception as exc:  # noqa: BLE001 - any failure: the torch.compile path
             reason, record = store.record_failure(key, exc)
             self._say(f"accel: {self.name} runs through torch.compile: {reason}"
@@ -362,27 +486,38 @@ class AOTBlock:
             print(message, file=sys.stderr)
 
 
-def _export_and_compile(block, weights, index, attention, args, kwargs, path: Path) -> dict:
-    """Export ``block``'s call (parameters and ``index`` as inputs, attention modules as
-    ``block_attention`` calls), compile it into the package ``path`` and write its size pattern,
-    output structure and sha256 next to it (``.json``) through :func:`flowseam_accel.store.write`
-    (a failed compile leaves nothing behind).
+def _export_and_compile(block, weights, index, inline, callbacks, args, kwargs,
+                        path: Path) -> dict:
+    """Export ``block``'s call (parameters and ``index`` as inputs; the attention modules
+    ``inline`` traced, their routed SDPA call as an :func:`attention` call; the submodules
+    ``callbacks`` as ``block_module`` calls), compile it into the package ``path`` and write its
+    size pattern, output structure and sha256 next to it (``.json``) through
+    :func:`flowseam_accel.store.write` (a failed compile leaves nothing behind).
 
     :returns: ``{"pattern": [...], "out": <output treespec>, "sha256": str}`` (see
         :class:`flowseam_accel.store.Package`).
     """
     from torch.export import Dim
 
-    shims = {name: _AttentionShim(name) for name in attention}
+    shims = {name: _CallbackShim(name) for name in callbacks}
 
-    # traced: a copy of the block's module tree (same tensors, its own dicts) whose attention
+    # traced: a copy of the block's module tree (same tensors, its own dicts) whose called-back
     # modules are the shims, so the block itself never changes (other threads may run it)
     traced = _structural_copy(block, shims)
+    traced_index: list[torch.Tensor] = []
+
+    def routed_to_op(name: str) -> Callable:
+        def attn(query, key, value, attn_mask=None, scale=None):
+            if attn_mask is not None:
+                raise NotImplementedError(f"attention module {name!r} passes an attention mask")
+            return attention(traced_index[0], name, query, key, value, scale)
+        return attn
 
     class _Call(torch.nn.Module):
         def forward(self, weights, index, args, kwargs):
             for shim in shims.values():
                 shim.index = index
+            traced_index[:] = [index]
             return torch.func.functional_call(traced, weights, args, kwargs)
 
     def dims(x):
@@ -392,25 +527,34 @@ def _export_and_compile(block, weights, index, attention, args, kwargs, path: Pa
         lambda x: x.contiguous() if isinstance(x, torch.Tensor) else x, (args, kwargs))
     dynamic = ({n: None for n in weights}, None, pytree.tree_map(dims, args),
                pytree.tree_map(dims, kwargs))
-    saved = {name: block.get_submodule(name) for name in attention}
+    saved = {name: block.get_submodule(name) for name in callbacks}
     _EXPORTING.modules, _EXPORTING.out_specs, _EXPORTING.rules = saved, {}, {}
-    # the export runs each attention module once on fake tensors: its routed SDPA call is not
-    # a call of the platform's kernel (the count is restored), nor a step's text K/V (paused)
-    modes = [m.processor._mode for m in saved.values() if hasattr(m.processor, "_mode")]
-    calls = [mode.calls for mode in modes]
+    # the export runs each called-back attention module once on fake tensors: its routed SDPA
+    # call is not a call of the platform's kernel (the count is restored), nor a step's text
+    # K/V (paused); the traced ones send it to the op instead of the kernel while tracing
+    routes = {name: m.processor._mode for name, m in block.named_modules()
+              if hasattr(getattr(m, "processor", None), "_mode")}
+    kernels = {name: route.attn for name, route in routes.items()}
+    calls = {name: route.calls for name, route in routes.items()}
     try:
         with torch.no_grad(), store.quiet(), paused():
+            for name in inline:
+                routes[name].attn = routed_to_op(name)
             _EXPORTING.tracing = True
-            program = torch.export.export(_Call(), (weights, index, args, kwargs),
-                                          dynamic_shapes=dynamic, strict=False)
-            _EXPORTING.tracing = False
+            try:
+                program = torch.export.export(_Call(), (weights, index, args, kwargs),
+                                              dynamic_shapes=dynamic, strict=False)
+            finally:
+                _EXPORTING.tracing = False
+                for name, route in routes.items():
+                    route.attn = kernels[name]
             # inductor propagates fake tensors through the graph again: the fake
-            # block_attention still needs the attention modules
+            # block_module still needs the called-back modules
             return store.write(program, path, skip=len(weights) + 1)
     finally:
         _EXPORTING.modules = None
-        for mode, n in zip(modes, calls):
-            mode.calls = n
+        for name, route in routes.items():
+            route.calls = calls[name]
 
 
 def _structural_copy(module: torch.nn.Module, replace: dict[str, torch.nn.Module],

@@ -19,8 +19,9 @@ compiled in place.
 
     A block's call without gradients (generation, serving, RL rollouts) runs an AOTInductor
     package of the block instead (:mod:`flowseam_accel.aot`): the same computation, compiled
-    ahead of time with the parameters as inputs and the attention modules called back eagerly,
-    cached on disk, so a later process loads it in milliseconds instead of tracing the block
+    ahead of time with the parameters as inputs, the attention projections and RoPE inside, and
+    only the platform's attention kernel and the text keys/values reused across steps called
+    back eagerly, cached on disk, so a later process loads it in milliseconds instead of tracing the block
     with dynamo (the warm-cache start in ``bench/backends.py --cold``). Calls with gradients (a
     trainer's recompute), adapters (peft layers), hooks, stateful attention processors (the
     causal KV cache) or a non-CPU device take the ``torch.compile`` path described above.
