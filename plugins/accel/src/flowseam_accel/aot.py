@@ -138,7 +138,7 @@ def _own(outputs: list[torch.Tensor], inputs: list, copy: bool = False) -> list[
 # torch.library.custom_op: a custom_op's Python autograd and dispatch wrappers cost about
 # 0.1 ms a call, as much as a small block's compiled code; these have no autograd (packages
 # run without gradients) and the dispatcher calls the Python kernel directly.
-_LIBRARY = torch.library.Library("flowseam_accel", "DEF")  # noqa: TOR901 - kept for the process
+_LIBRARY = torch.library.Library("flowseam_accel", "FRAGMENT")  # noqa: TOR901 - kept
 _LIBRARY.define("block_module(Tensor index, str call, Tensor?[] tensors) -> Tensor[]")
 _LIBRARY.define("attention(Tensor index, str name, Tensor query, Tensor key, Tensor value, "
                 "float? scale) -> Tensor")
