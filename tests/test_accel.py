@@ -494,7 +494,7 @@ def test_a_bad_aot_switch_is_refused_naming_it_before_the_dit_loads(accel, tiny_
     monkeypatch.setattr(components, "instantiate", lambda *a, **k: pytest.fail("weights loaded"))
     spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
     with pytest.raises(ValueError, match=r"FLOWSEAM_ACCEL_AOT='maybe' is not a switch: use one of "
-                                         r"1, true, yes, on \(packages on\) or 0, false, no, off"):
+                                         r"1, true, yes, on \(on\) or 0, false, no, off \(off\)"):
         components.build_dit(spec)
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,25 +42,21 @@ from typing import Any
 import torch
 from flowseam.errors import FlowseamError
 from flowseam.media import atomic_path
+from flowseam.plugins import env_switch
 from torch.utils import _pytree as pytree
 
 AOT_ENV = "FLOWSEAM_ACCEL_AOT"
-_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 MAX_PATTERNS = 16   # size patterns (packages) kept per key
 
 
 def enabled() -> bool:
-    """Whether accel uses AOTInductor packages: ``FLOWSEAM_ACCEL_AOT``, default on.
+    """Whether accel uses AOTInductor packages: ``FLOWSEAM_ACCEL_AOT``, default on (unset or
+    empty), read by :func:`flowseam.plugins.env_switch`.
 
     :raises ValueError: for a value that is neither on (``1``, ``true``, ``yes``, ``on``) nor
         off (``0``, ``false``, ``no``, ``off``), naming it: accel reads it before it loads a DiT.
     """
-    raw = os.environ.get(AOT_ENV, "1")
-    value = raw.strip().lower()
-    if value not in _ON + _OFF:
-        raise ValueError(f"{AOT_ENV}={raw!r} is not a switch: use one of "
-                         f"{', '.join(_ON)} (packages on) or {', '.join(_OFF)} (off)")
-    return value in _ON
+    return env_switch(AOT_ENV, True)
 
 
 def folder() -> Path:
