@@ -319,7 +319,9 @@ def test_dit_blocks_are_compiled_once_for_all_and_the_model_equals_the_cpu_build
     compiles, the second reuses its graphs; attention stays routed through the platform (the
     routed processors run eagerly and count their SDPA calls); the result equals the cpu build."""
     import diffusers
+    from flowseam import step_constants
     from flowseam.attention import route_attention
+    from flowseam.models.wan import WanT2V
 
     spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
     dit, ref = accel.build_component("dit", spec), cpu.build_component("dit", spec)
@@ -330,6 +332,8 @@ def test_dit_blocks_are_compiled_once_for_all_and_the_model_equals_the_cpu_build
     assert next(dit.parameters()).dtype == torch.float32
     route_attention(dit, accel.kernels.get(ops.ATTENTION))
     route_attention(ref, cpu.kernels.get(ops.ATTENTION))
+    # as a loaded model has them; the no-grad calls then share the AOT tests' package
+    step_constants.install(dit, WanT2V.STEP_CONSTANTS)
     procs = list(dit.attn_processors.values())
     z = dit.config.in_channels
     latents, t = _rand(1, z, 1, 8, 8, seed=20), torch.tensor([700.0])
