@@ -15,9 +15,9 @@ The kernel is resolved once, when the model is loaded (never per step).
 Under ``torch.compile`` (the accel backend compiles the DiT's repeated transformer blocks) the
 routed processor is excluded from tracing (``torch.compiler.disable``): each attention layer's
 processor (its projections, RoPE and the routed SDPA call) runs eagerly between the compiled
-graphs of its block (accel's AOTInductor packages, ``flowseam_accel.aot``, trace the processor
-instead and turn only the routed SDPA call into a call of ``attn``), exactly as in an eager model, and the per-call check that the stock
-processor really called SDPA runs there too. Tracing the mode instead broke every block into
+graphs of its block, exactly as in an eager model, and the per-call check that the stock
+processor really called SDPA runs there too (accel's AOTInductor packages, ``flowseam_accel.aot``,
+trace the processor instead and turn only the routed SDPA call into a call of ``attn``). Tracing the mode instead broke every block into
 many small graphs (dynamo cannot trace ``Tensor.unflatten``'s ``super()`` call under a
 ``TorchFunctionMode``), and dynamo compiles the mode's ``__torch_function__`` as a frame of its
 own, where the call counter would be traced away or guarded on. A compile-friendly route into

@@ -120,4 +120,5 @@ def rollout_loop(model: "ModelInstance", request: GenerationRequest,
 
 
 __all__ = ["BehaviorRecord", "Chunk", "ExecutionProfile", "LOOPS", "LoopResult", "RECOMPUTE",
-           "STREAMS", "StepCallback", "check_no_module_cache", "record_velocity", "rollout_loop", "run_loop", "stream_loop"]
+           "STREAMS", "StepCallback", "check_no_module_cache", "record_velocity", "rollout_loop",
+           "run_loop", "stream_loop"]

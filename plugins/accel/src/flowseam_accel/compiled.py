@@ -235,6 +235,8 @@ def _source(fn: Callable) -> str:
     constants = {n: repr(fn.__globals__[n]) for n in code.co_names
                  if isinstance(fn.__globals__.get(n), (int, float, bool, str))}
     return f"{text}\n{sorted(constants.items())}"
+
+
 _AOT_SWITCH: list[bool] = []   # FLOWSEAM_ACCEL_AOT, read on the first packaged call
 
 

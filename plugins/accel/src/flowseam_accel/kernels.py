@@ -46,8 +46,9 @@ C2 by construction (``flow_sde_step``). The log-prob of a rollout must be reprod
 when it is recomputed from ``prev_sample``. Rather than hoping that two differently fused graphs
 round identically, both paths compute ``mean`` and ``log_prob`` with the *same* compiled
 function from the *returned* sample (the same package or graph: which one runs depends only on
-the arguments' device, dtypes and sizes and on the package store, never on the grad mode): the rollout first draws the sample (one fused pass over
-x, v and noise), then runs that function on (x, v, sample) exactly as the recompute does. The
+the arguments' device, dtypes and sizes and on the package store, never on the grad mode): the
+rollout first draws the sample (one fused pass over x, v and noise), then runs that function on
+(x, v, sample) exactly as the recompute does. The
 price is one extra read of x and v per rollout step. That function runs inside a
 ``torch.autograd.Function`` with the analytic backward (``mean`` is linear in x and v), so a
 recompute that records gradients still runs the same inference graph; gradients reach the
