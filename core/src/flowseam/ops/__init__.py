@@ -278,13 +278,17 @@ def as_sigma(value: Any, name: str = "sigma") -> float:
 
 def check_step_tensors(x: Any, v: Any, noise: Any = None, prev_sample: Any = None) -> None:
     """Validate the tensor arguments of a flow step: v, noise and prev_sample must have x's
-    shape, and x needs a batch dimension. Raises ValueError naming the shapes."""
+    shape, and x needs a batch dimension and no size-0 dimension (an empty sample has no
+    log-prob: a mean over 0 elements). Raises ValueError naming the shapes."""
     xs = _shape(x)
     for name, t in (("x", x), ("v", v), ("noise", noise), ("prev_sample", prev_sample)):
         if t is not None and not _is_float(t):
             raise ValueError(f"{name} has dtype {t.dtype}; flow steps need floating-point tensors")
     if len(xs) < 1:
         raise ValueError(f"x has shape {xs}; a flow step needs at least a batch dimension (B, ...)")
+    if 0 in xs:
+        raise ValueError(f"x has shape {xs}; a flow step needs a non-empty tensor (no size-0 "
+                         "dimension)")
     for name, t in (("v", v), ("noise", noise), ("prev_sample", prev_sample)):
         if t is not None and _shape(t) != xs:
             raise ValueError(f"{name} has shape {_shape(t)} but x has shape {xs}; they must match")
@@ -325,6 +329,9 @@ def check_renoise(x0: Any, noise: Any, sigma: float) -> None:
     if _shape(noise) != _shape(x0):
         raise ValueError(f"noise has shape {_shape(noise)} but x0 has shape {_shape(x0)}; "
                          "they must match")
+    if 0 in _shape(x0):
+        raise ValueError(f"x0 has shape {_shape(x0)}; re-noising needs a non-empty tensor (no "
+                         "size-0 dimension)")
     if not (0.0 <= sigma <= 1.0) or math.isnan(sigma):
         raise ValueError(f"sigma={sigma!r} is outside [0, 1]")
 

@@ -204,8 +204,8 @@ def test_kernel_matches_oracle(flowseam_platform, flowseam_case, expectations):
 
 @pytest.mark.flowseam_cases(cases=registration_cases, empty="it registers no kernel")
 def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectations):
-    """The contract's bad arguments raise ValueError (shape mismatch, sigmas out of order or out
-    of [0, 1], a per-sample ``(B,)`` sigma, sigma == 1 without sigma_max and sigma_next == sigma
+    """The contract's bad arguments raise ValueError (shape mismatch, an empty tensor, sigmas out
+    of order or out of [0, 1], a per-sample ``(B,)`` sigma, sigma == 1 without sigma_max and sigma_next == sigma
     for the SDE step; for UniPC also sigma == 1, an order its history cannot support, order > 1
     at sigma_next == 0, and a state that is not a UniPCState)."""
     kernel = pinned_kernel(flowseam_platform, flowseam_case)
@@ -229,7 +229,8 @@ def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectat
     if flowseam_case.op == ops.FLOW_RENOISE:
         x0 = randn((2, 8), 1, "float32", device)
         for args, what in (((x0, randn((2, 9), 2, "float32", device), 0.5), "noise shape"),
-                           ((x0, x0, 1.5), "sigma > 1"), ((x0, x0, -0.1), "sigma < 0")):
+                           ((x0, x0, 1.5), "sigma > 1"), ((x0, x0, -0.1), "sigma < 0"),
+                           ((x0[:, :0], x0[:, :0], 0.5), "an empty x0")):
             with pytest.raises(ValueError):
                 kernel(*args)
                 pytest.fail(f"flow_renoise accepted bad arguments ({what})")
@@ -239,7 +240,8 @@ def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectat
     bad = [((x, randn((2, 9), 3, "float32", device), 0.5, 0.4), "v's shape differs from x's"),
            ((x, v, 1.5, 0.4), "sigma > 1"),
            ((x, v, 0.4, 0.5), "sigma_next > sigma"),
-           ((x, v, per_sample, 0.4), "a (B,) sigma")]
+           ((x, v, per_sample, 0.4), "a (B,) sigma"),
+           ((x[:0], v[:0], 0.5, 0.4), "an empty batch"), ((x[:, :0], v[:, :0], 0.5, 0.4), "size-0 latents")]
     if flowseam_case.op == ops.FLOW_SDE_STEP:
         bad += [((x, v, 1.0, 0.9), "sigma == 1 without sigma_max"),
                 ((x, v, 0.5, 0.5), "sigma_next == sigma")]
