@@ -95,12 +95,11 @@ _LOCK = threading.RLock()
 _BLOCKS: list[weakref.ref] = []      # a block's index (its tensor argument to the op) -> block
 _EXPORTING = threading.local()      # during an export: attention modules, their outputs' rules
 _SIMPLE = (int, float, bool, str, type(None))
-_FAILED = object()                  # an export failed for this call structure
 
 
 class Packages:
     """The packages the blocks of one class (in one model) have loaded: per call structure a
-    list of packages (or :data:`_FAILED`), and the paths already loaded."""
+    list of packages (or :data:`flowseam_accel.store.FAILED`), and the paths already loaded."""
 
     def __init__(self) -> None:
         self.by_call: dict[tuple, list] = {}
@@ -410,18 +409,13 @@ class AOTBlock:
         package = self._find(fast, shapes)
         if package is None:
             package = self._build(block, weights, args, kwargs, leaves, fast, shapes)
-        if package is _FAILED:
+        if package is store.FAILED:
             return NotImplemented
         return package(list(weights.values()) + [self.index] + tensors)
 
     def _find(self, fast: tuple, shapes: tuple) -> store.Package | object | None:
-        """The loaded package for this call, :data:`_FAILED` if its export failed before,
-        ``None`` if there is none yet."""
-        entry = self._packages.by_call.get(fast, ())
-        for package in entry:
-            if package is not _FAILED and package.accepts(shapes):
-                return package
-        return _FAILED if _FAILED in entry else None
+        """The loaded package for this call (:func:`flowseam_accel.store.loaded`)."""
+        return store.loaded(self._packages.by_call.get(fast, ()), shapes)
 
     def _key(self, block: torch.nn.Module, weights: dict, leaves: list, spec_str: str) -> str:
         import diffusers
@@ -444,39 +438,15 @@ class AOTBlock:
 
     def _build(self, block, weights, args, kwargs, leaves, fast, shapes) -> store.Package | object:
         """Load the package for this call from the store, or export and compile it;
-        :data:`_FAILED` (and the ``torch.compile`` path from then on for this call structure) if
-        that fails. Called with :data:`_LOCK` held (see :func:`dispatcher`)."""
-        entry = self._packages.by_call.setdefault(fast, [])
-        key = self._key(block, weights, leaves, fast[0])
-        failed = store.recorded_failure(key)
-        if failed:   # an earlier process could not export this structure
-            self._say(f"accel: {self.name} runs through torch.compile: {failed[1]} "
-                      f"(recorded in {failed[0]}; delete it to try again)")
-            entry.append(_FAILED)
-            return _FAILED
-        package, path = store.find(key, shapes, self._packages.paths, entry,
-                                   lambda message: self._say(f"accel: {self.name}: {message}"))
-        if package is not None:
-            return package
-        if path is None:   # all size patterns of this key taken
-            entry.append(_FAILED)
-            return _FAILED
-        try:
-            meta = _export_and_compile(block, weights, self.index, self._inline,
-                                       self._callbacks, args, kwargs, path)
-        except Exception as exc:  # noqa: BLE001 - any failure: the torch.compile path
-            reason, record = store.record_failure(key, exc)
-            self._say(f"accel: {self.name} runs through torch.compile: {reason}"
-                      + (f" (recorded in {record})" if record else ""))
-            entry.append(_FAILED)
-            return _FAILED
-        package = store.Package(path, meta)
-        self._packages.paths.add(path)
-        entry.append(package)
-        if not package.accepts(shapes):  # cannot happen: exported from these inputs
-            entry.append(_FAILED)
-            return _FAILED
-        return package
+        :data:`store.FAILED <flowseam_accel.store.FAILED>` (and the ``torch.compile`` path from
+        then on for this call structure) if that fails (:func:`flowseam_accel.store.obtain`).
+        Called with :data:`_LOCK` held (see :func:`dispatcher`)."""
+        return store.obtain(
+            self._key(block, weights, leaves, fast[0]), shapes, self._packages.paths,
+            self._packages.by_call.setdefault(fast, []),
+            lambda path: _export_and_compile(block, weights, self.index, self._inline,
+                                             self._callbacks, args, kwargs, path),
+            lambda message: self._say(f"accel: {self.name}: {message}"))
 
     def _say(self, message: str) -> None:
         from flowseam.console import notices_enabled

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from . import store
+
 _LOCK = threading.Lock()
 
 
@@ -218,7 +220,6 @@ def compile_function(fn: Callable, name: str, *, aot: tuple | None = None,
     return Timed(name, call)
 
 
-_FAILED = object()   # exporting or compiling a package for these dtypes failed
 
 
 def _source(fn: Callable) -> str:
@@ -265,7 +266,7 @@ class AOTFunction:
     def __init__(self, fn: Callable, name: str, dims: tuple, dtypes: tuple[torch.dtype, ...]) -> None:
         self.fn, self.name, self.dims, self.dtypes = fn, name, dims, dtypes
         self._dynamic = [[j for j, d in enumerate(names) if d is not None] for names in dims]
-        self._by_dtypes: dict[tuple, list] = {}   # argument dtypes -> packages (or _FAILED)
+        self._by_dtypes: dict[tuple, list] = {}   # argument dtypes -> packages (or store.FAILED)
         self._loaded: set = set()
         self._lock = threading.Lock()
 
@@ -274,9 +275,7 @@ class AOTFunction:
                 or any(a.device.type != "cpu" for a in args)):
             return NotImplemented
         if not _AOT_SWITCH:
-            from .store import enabled
-
-            _AOT_SWITCH.append(enabled())
+            _AOT_SWITCH.append(store.enabled())
         if not _AOT_SWITCH[0]:
             return NotImplemented
         shapes = tuple(a.shape for a in args)
@@ -287,17 +286,13 @@ class AOTFunction:
             package = self._find(dtypes, shapes)
             if package is None:
                 package = self._build(args, dtypes, shapes)
-            if package is _FAILED:
+            if package is store.FAILED:
                 return NotImplemented
             # contiguous, as exported: the generated code computes strides from the sizes
             return package([a.contiguous() for a in args])
 
     def _find(self, dtypes: tuple, shapes: tuple) -> Any:
-        entry = self._by_dtypes.get(dtypes, ())
-        for package in entry:
-            if package is not _FAILED and package.accepts(shapes):
-                return package
-        return _FAILED if _FAILED in entry else None
+        return store.loaded(self._by_dtypes.get(dtypes, ()), shapes)
 
     def _key(self, args: tuple) -> str:
         import hashlib
@@ -316,41 +311,15 @@ class AOTFunction:
 
     def _build(self, args: tuple, dtypes: tuple, shapes: tuple) -> Any:
         """Load the package for these dtypes from the store, or export and compile it there."""
-        from . import store
-
-        entry = self._by_dtypes.setdefault(dtypes, [])
-        key = self._key(args)
-        failed = store.recorded_failure(key)
-        if failed:   # an earlier process could not export it
-            self._say(f"runs through torch.compile: {failed[1]} (recorded in {failed[0]}; "
-                      "delete it to try again)")
-            entry.append(_FAILED)
-            return _FAILED
-        package, path = store.find(key, shapes, self._loaded, entry, self._say)
-        if package is not None:
-            return package
-        if path is not None:
-            try:
-                package = store.Package(path, self._export(args, path))
-            except Exception as exc:  # noqa: BLE001 - any failure: the torch.compile path
-                reason, record = store.record_failure(key, exc)
-                self._say(f"runs through torch.compile: {reason}"
-                          + (f" (recorded in {record})" if record else ""))
-            else:
-                self._loaded.add(path)
-                entry.append(package)
-                if package.accepts(shapes):
-                    return package
-        entry.append(_FAILED)   # all size patterns taken, or the export failed
-        return _FAILED
+        return store.obtain(self._key(args), shapes, self._loaded,
+                            self._by_dtypes.setdefault(dtypes, []),
+                            lambda path: self._export(args, path), self._say)
 
     def _export(self, args: tuple, path) -> dict:
         """Export ``fn`` on fresh example tensors (the call's static sizes; distinct sizes per
         dynamic name; never the call's own tensors, which may alias one another) and compile
         it into ``path`` (:func:`flowseam_accel.store.write`)."""
         from torch.export import Dim
-
-        from . import store
 
         names = list(dict.fromkeys(d for names in self.dims for d in names if d is not None))
         symbols = {n: Dim(n, min=1) for n in names}

@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 
 AOT_ENV = "FLOWSEAM_ACCEL_AOT"
 MAX_PATTERNS = 16   # size patterns (packages) kept per key
+FAILED = object()   # in a caller's list of packages: exporting or compiling for its key failed
 
 
 def enabled() -> bool:
@@ -161,6 +162,51 @@ def find(key: str, shapes: tuple, loaded: set[Path], found: list,
             count_event()
             return package, None
     return None, None
+
+
+def loaded(found: list, shapes: tuple) -> Package | object | None:
+    """Among ``found`` (the packages one call structure has loaded, perhaps :data:`FAILED`), the
+    one that accepts ``shapes``; :data:`FAILED` if none does and its export failed before;
+    ``None`` if there is none yet (then :func:`obtain`)."""
+    for package in found:
+        if package is not FAILED and package.accepts(shapes):
+            return package
+    return FAILED if FAILED in found else None
+
+
+def obtain(key: str, shapes: tuple, paths: set[Path], found: list,
+           export: Callable[[Path], dict], say: Callable[[str], None]) -> Package | object:
+    """The package of ``key`` for ``shapes``: loaded from the store (:func:`find`), or made by
+    ``export(path)`` (which exports, compiles and :func:`write` s it, returning the ``.json``'s
+    content) and loaded; appended to ``found``, its path added to ``paths``.
+
+    :returns: the package, or :data:`FAILED` (also appended to ``found``) when an earlier
+        process recorded that ``key`` fails, when all size patterns are taken, or when the export,
+        compile or load fails (recorded by :func:`record_failure`); each said through ``say``.
+    """
+    failed = recorded_failure(key)
+    if failed:   # an earlier process could not export it
+        say(f"runs through torch.compile: {failed[1]} (recorded in {failed[0]}; "
+            "delete it to try again)")
+        found.append(FAILED)
+        return FAILED
+    package, path = find(key, shapes, paths, found, say)
+    if package is not None:
+        return package
+    if path is not None:
+        try:
+            package = Package(path, export(path))
+        except Exception as exc:  # noqa: BLE001 - any failure: the caller's torch.compile path
+            reason, record = record_failure(key, exc)
+            say(f"runs through torch.compile: {reason}"
+                + (f" (recorded in {record})" if record else ""))
+        else:
+            paths.add(path)
+            found.append(package)
+            if package.accepts(shapes):   # exported from these shapes: always
+                return package
+    found.append(FAILED)   # all size patterns taken, or the export failed
+    return FAILED
 
 
 def write(program: torch.export.ExportedProgram, path: Path, skip: int = 0) -> dict:
