@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from flowseam.attention import stock_processor
+from flowseam.attention import RoutedAttnProcessor, stock_processor
 from flowseam.step_constants import paused, reuses_outputs
 from torch.utils import _pytree as pytree
 
@@ -270,12 +270,6 @@ def _attention_names(block: torch.nn.Module) -> list[str]:
     return names
 
 
-def _routed(processor: Any) -> bool:
-    """Whether ``processor`` sends its SDPA call to the platform's kernel through a route the
-    export can replace by :func:`attention` (:func:`flowseam.attention.routed_processor`)."""
-    return processor is not getattr(processor, "inner", processor) and hasattr(processor, "_mode")
-
-
 def _settings(module: torch.nn.Module) -> tuple:
     """The module's plain attributes (``eps``, ``approximate``, ``normalized_shape``,
     ``training``, ...): the export freezes them into the package, so they are part of its key."""
@@ -364,7 +358,9 @@ class AOTBlock:
         weights: dict[str, torch.Tensor] | None = {}
         if not all(stock_processor(p) for p in processors):
             weights = None
-        inline = tuple(n for n, p in zip(self._attention, processors) if _routed(p))
+        # routed through the platform: the export turns their SDPA call into attention()
+        inline = tuple(n for n, p in zip(self._attention, processors)
+                       if isinstance(p, RoutedAttnProcessor))
         callbacks = [n for n in self._attention if n not in inline]
         modules = [block.get_submodule(n) for n in self._attention]  # their processors
         for mname, module in block.named_modules():
