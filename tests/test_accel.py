@@ -491,6 +491,64 @@ def test_threads_calling_one_compiled_dit_at_once_all_finish_with_the_right_resu
     assert len(diffs) == 20 and max(diffs) < 1e-4
 
 
+def test_a_failed_export_is_recorded_only_when_the_program_is_why(tmp_path, monkeypatch):
+    """flowseam_accel.store: a failure of the program (g++ rejects the code) is recorded in
+    ``<key>.failed``, and a later process goes straight to torch.compile; a failure of the run
+    (the compiler killed by a signal, its cc1plus killed as the OOM killer does, out of memory
+    while lowering, a timeout) is said but not recorded, and a later process tries again. The
+    compiler errors are torch's own: inductor's ``run_compile_cmd`` running the real g++."""
+    import subprocess
+
+    from flowseam_accel import store
+    from torch._inductor.cpp_builder import run_compile_cmd
+    from torch._inductor.exc import LoweringException
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    (tmp_path / "bad.cpp").write_text("int f() { return undeclared; }\n")
+    (tmp_path / "ok.cpp").write_text("int f() { return 0; }\n")
+
+    def compile_error(command: str) -> Exception:
+        with pytest.raises(Exception) as info:
+            run_compile_cmd(command, cwd=str(tmp_path))
+        return info.value
+
+    def lowering_out_of_memory() -> Exception:   # as inductor's GraphLowering re-raises
+        try:
+            try:
+                raise MemoryError
+            except MemoryError as exc:
+                raise LoweringException(exc, "aten.mm", [], {}) from None
+        except LoweringException as exc:
+            return exc
+
+    failures = {   # key: (exception, recorded)
+        "rejected": (compile_error("g++ -c bad.cpp"), True),
+        "signal": (compile_error("sh -c 'kill -KILL $$'"), False),
+        "oom-killer": (compile_error("g++ -wrapper sh,-c,'kill -KILL $$' -c ok.cpp"), False),
+        "lowering": (lowering_out_of_memory(), False),
+        "timeout": (subprocess.TimeoutExpired("g++", 600), False),
+    }
+    for key, (exc, recorded) in failures.items():
+        exports, said = [], []
+
+        def export(path, exc=exc):
+            exports.append(path)
+            raise exc
+
+        for _process in range(2):
+            assert store.obtain(key, ((1,),), set(), [], export, said.append) is store.FAILED
+        record = tmp_path / "flowseam_accel_aot" / f"{key}.failed"
+        assert record.is_file() == recorded and len(exports) == (1 if recorded else 2), key
+        first = f"runs through torch.compile: exporting it for AOTInductor failed ({type(exc).__name__}"
+        assert said[0].startswith(first), said
+        if recorded:
+            assert said[0].endswith(f"(recorded in {record})")
+            assert said[1].endswith(f"(recorded in {record}; delete it to try again)")
+        else:
+            assert said == [said[0]] * 2 and said[0].endswith("(not recorded: the next process "
+                                                              "tries again)")
+
+
 def test_a_bad_aot_switch_is_refused_naming_it_before_the_dit_loads(accel, tiny_wan, monkeypatch):
     from flowseam_accel import components
 

@@ -64,8 +64,9 @@ Where
     ``<inductor cache dir>/flowseam_accel_aot/<key>-<n>.pt2`` with ``<key>-<n>.json`` (its size
     pattern, output structure and sha256), each written to a temporary file and renamed, so a
     killed or failed compile leaves no half package. A structure whose export or compile failed
-    is recorded as ``<key>.failed`` (its reason), so later processes go straight to
-    ``torch.compile``. Delete a file, or the directory, to compile again.
+    for a reason of the program is recorded as ``<key>.failed`` (its reason), so later processes
+    go straight to ``torch.compile`` (a killed compiler, lack of memory or a timeout is not
+    recorded: store's Failures). Delete a file, or the directory, to compile again.
 """
 
 from __future__ import annotations

@@ -18,12 +18,36 @@ Layout
       (the pattern: per tensor input, per dimension, an exact size or ``[symbol, low, high]``,
       see :class:`Package`); written last, so a package without one does not count;
     * ``<key>.failed``: why exporting or compiling for that key failed (the caller then takes its
-      ``torch.compile`` path, in this process and in later ones).
+      ``torch.compile`` path, in this process and in later ones; see Failures).
 
     Every file is written to a temporary file and renamed (:func:`flowseam.media.atomic_path`),
     so a killed or failed compile leaves no half package. Delete a file, or the folder, to
     compile again; a ``.pt2`` that does not load or does not match its ``.json``'s sha256 is
     compiled again.
+
+Failures
+    A failed export or compile sends the call to the caller's ``torch.compile`` path, said
+    through its notice with the reason. It is recorded in ``<key>.failed`` (and later processes
+    go straight to ``torch.compile``) only when it is a property of the program: torch.export
+    cannot trace it (a size derived from others, e.g. FLUX.1's rotary size; an attention mask;
+    data-dependent control flow), inductor cannot lower it, the C++ compiler rejects the
+    generated code. It is not recorded when it says nothing about the program
+    (:func:`transient`): a ``MemoryError``, ``torch.OutOfMemoryError`` or torch's
+    ``DefaultCPUAllocator: can't allocate memory``; a timeout (``TimeoutError``,
+    ``subprocess.TimeoutExpired``; inductor's compile-worker wait re-raises it as a
+    ``RuntimeError`` from it); a crashed compile-worker pool (``BrokenProcessPool``); a C++
+    compiler killed by a signal (inductor's ``CppCompileError`` is raised from the compiler's
+    ``subprocess.CalledProcessError``, whose ``returncode`` is then negative) or whose driver
+    says its compiler process was killed or ran out of memory (GCC's ``Killed signal terminated
+    program cc1plus`` when the OOM killer picks ``cc1plus``, ``virtual memory exhausted``); nor
+    when writing the record is what failed (``OSError``, :class:`flowseam.errors.FlowseamError`).
+    An exception counts as transient when it, or one it was raised from or while handling
+    (``__cause__``, ``__context__``: inductor re-raises a lowering error ``from None``), is one
+    of these (a ``KeyboardInterrupt`` too; raised itself, it is not caught). The process that
+    saw a transient failure keeps the ``torch.compile`` path for that call structure (it does
+    not retry in a loop); the next process tries again. The keys hash torch's version
+    (``aot.AOTBlock._key``, ``compiled.AOTFunction._key``), so a torch upgrade looks up new
+    keys and retries what failed before.
 
 Switch
     ``FLOWSEAM_ACCEL_AOT=0`` turns the packages off (:func:`enabled`).
@@ -34,6 +58,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -121,13 +147,49 @@ def recorded_failure(key: str) -> tuple[Path, str] | None:
 def record_failure(key: str, exc: BaseException) -> tuple[str, Path | None]:
     """``(reason, record)``: why exporting or compiling for ``key`` failed, recorded in
     ``<key>.failed`` for later processes unless writing was what failed (an ``OSError`` or
-    :class:`flowseam.errors.FlowseamError`, e.g. a full disk; then ``record`` is ``None``)."""
+    :class:`flowseam.errors.FlowseamError`, e.g. a full disk) or the failure is
+    :func:`transient`; then ``record`` is ``None``."""
     reason = f"exporting it for AOTInductor failed ({_first_line(exc)})"
     failed = folder() / f"{key}.failed"
-    if not isinstance(exc, (OSError, FlowseamError)):
+    if not isinstance(exc, (OSError, FlowseamError)) and not transient(exc):
         with contextlib.suppress(OSError, FlowseamError), atomic_path(failed) as tmp:
             tmp.write_text(reason)
     return reason, (failed if failed.is_file() else None)
+
+
+# what a C++ compiler's driver prints when the OOM killer or a signal ended its compiler
+# process (GCC: "g++: fatal error: Killed signal terminated program cc1plus"; clang: "unable to
+# execute command: Killed") or when that process ran out of memory
+_KILLED = re.compile(r"(Killed|Terminated|Interrupt) signal terminated program"
+                     r"|unable to execute command: (Killed|Terminated|Interrupt)"
+                     r"|virtual memory exhausted|out of memory allocating"
+                     r"|can't allocate memory")
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure of this run, not of the program exported (see Failures in
+    the module docstring): it, or an exception in its ``__cause__``/``__context__`` chain, is a
+    ``MemoryError``, ``torch.OutOfMemoryError``, ``TimeoutError``,
+    ``subprocess.TimeoutExpired``, ``BrokenProcessPool``, ``KeyboardInterrupt``, a
+    ``subprocess.CalledProcessError`` of a process killed by a signal (negative
+    ``returncode``), or an error whose message is a compiler's or torch's allocator's report of
+    a killed process or exhausted memory."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    kinds = (MemoryError, torch.OutOfMemoryError, TimeoutError, subprocess.TimeoutExpired,
+             BrokenProcessPool, KeyboardInterrupt)
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if (isinstance(e, kinds) or _KILLED.search(str(e))
+                or (isinstance(e, subprocess.CalledProcessError) and e.returncode < 0)):
+            return True
+        pending += [e.__cause__, e.__context__]
+    return False
 
 
 def find(key: str, shapes: tuple, loaded: set[Path], found: list,
@@ -199,7 +261,8 @@ def obtain(key: str, shapes: tuple, paths: set[Path], found: list,
         except Exception as exc:  # noqa: BLE001 - any failure: the caller's torch.compile path
             reason, record = record_failure(key, exc)
             say(f"runs through torch.compile: {reason}"
-                + (f" (recorded in {record})" if record else ""))
+                + (f" (recorded in {record})" if record
+                   else " (not recorded: the next process tries again)"))
         else:
             paths.add(path)
             found.append(package)
