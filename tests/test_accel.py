@@ -58,7 +58,8 @@ def _rand(*shape, seed=0, dtype=torch.float32):
 
 def _entry(name: str) -> dict:
     """accel's compile/run booking of one compiled entry point (zeros before its first call)."""
-    empty = {"compile_s": 0.0, "run_s": 0.0, "calls": 0, "compiles": 0, "signatures": []}
+    empty = {"compile_s": 0.0, "run_s": 0.0, "calls": 0, "compiles": 0, "loads": 0,
+             "signatures": []}
     return compiled.compile_report()["entries"].get(name, empty)
 
 
@@ -363,7 +364,9 @@ def test_a_first_call_says_it_may_compile_when_notices_are_on(accel, tiny_wan, m
                                                               capsys):
     """flowseam generate turns notices on: the first call of a compiled component with new
     input shapes announces itself (a cold compile takes minutes on 2 cores and would look like
-    a hang), and says afterwards whether it compiled; later calls say nothing."""
+    a hang), and says afterwards whether it compiled or only loaded a package compiled before
+    (a new model's first no-grad call, as in a new process: the package is on disk by then),
+    with the seconds it took; later calls say nothing."""
     from flowseam import console
 
     monkeypatch.setattr(console, "_NOTICES", True)
@@ -377,12 +380,19 @@ def test_a_first_call_says_it_may_compile_when_notices_are_on(accel, tiny_wan, m
         dit(latents, t * 0.5, text, return_dict=False)
     err = capsys.readouterr().err.splitlines()
     # one notice for both blocks: they share the entry "<name>.<block class>" and its graphs
-    message = ("accel: compiling dit:transformer.WanTransformerBlock for new input shapes "
-               "(first call; cached on disk afterwards)")
+    message = ("accel: preparing dit:transformer.WanTransformerBlock for new input shapes "
+               "(compiled on the first call, cached on disk)")
     assert err[0] == f"{message} ..."  # stderr is not a terminal here: a start and an end line
-    assert re.fullmatch(re.escape(message) + r": (compiled|ready \(compiled before\)) in [0-9.]+ s",
+    assert re.fullmatch(re.escape(message) + r": (compiled|loaded \(compiled before\)) in [0-9.]+ s",
                         err[1]), err
     assert len(err) == 2  # the second call, same shapes: no notice
+    # a new model of this config, whose signatures are announced afresh: loads, compiles nothing
+    monkeypatch.setitem(compiled._SEEN, "dit:transformer.WanTransformerBlock", set())
+    with torch.no_grad():
+        accel.build_component("dit", spec)(latents, t, text, return_dict=False)
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(re.escape(message) + r": loaded \(compiled before\) in [0-9]+\.[0-9] s",
+                        err[1]), err
     monkeypatch.setattr(console, "_NOTICES", False)  # library use: silent
     with torch.no_grad():
         accel.build_component("dit", spec)(latents, t, text, return_dict=False)
@@ -428,7 +438,8 @@ def test_no_grad_calls_run_an_aot_package_a_new_model_loads_without_tracing(acce
         out = dit(*inputs(1), return_dict=False)[0]
         want = ref(*inputs(1), return_dict=False)[0]
         assert _graphs_built() == graphs                          # dynamo traced nothing
-        assert _entry(name)["compiles"] - before["compiles"] == 1  # the load, booked once
+        assert _entry(name)["compiles"] - before["compiles"] == 1  # the load, booked once ...
+        assert _entry(name)["loads"] - before["loads"] == 1        # ... as a load
         assert (out - want).abs().max().item() < 1e-4
         assert sum(p._mode.calls for p in procs) - sdpa_calls == 4   # 2 blocks x 2 attentions
         aot = dit.blocks[0]._compiled_call_impl.fn.aot

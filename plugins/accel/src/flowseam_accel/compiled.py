@@ -22,7 +22,8 @@ How the two are separated
     not (their seconds are host-side launch time, like any asynchronous CUDA call).
 
     Building or loading an AOTInductor package is booked the same way
-    (:func:`count_compile_event`): a compile call whose signature is recorded.
+    (:func:`count_compile_event`): a compile call whose signature is recorded; a compile call
+    that only loaded packages (nothing was traced or compiled) is also counted as a load.
 
     Caveat: the counter is process-wide, so a *different* compiled function compiling in another
     thread during one of ours is booked to ours.
@@ -55,11 +56,13 @@ class _Entry:
     run_s: float = 0.0
     calls: int = 0
     compiles: int = 0
+    loads: int = 0
     signatures: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"compile_s": self.compile_s, "run_s": self.run_s, "calls": self.calls,
-                "compiles": self.compiles, "signatures": list(self.signatures)}
+                "compiles": self.compiles, "loads": self.loads,
+                "signatures": list(self.signatures)}
 
 
 _ENTRIES: dict[str, _Entry] = {}
@@ -70,9 +73,11 @@ def compile_report() -> dict[str, Any]:
     """Compile and run seconds of everything accel compiled in this process.
 
     :returns: ``{"compile_s": float, "run_s": float, "calls": int, "compiles": int,
-        "entries": {name: {"compile_s", "run_s", "calls", "compiles", "signatures"}}}``:
-        ``compiles`` counts the calls that compiled (one per new signature), ``signatures`` lists
-        their inputs (``"f32[1,16,2,4,4]"``), ``calls`` counts every call.
+        "loads": int, "entries": {name: {"compile_s", "run_s", "calls", "compiles", "loads",
+        "signatures"}}}``: ``compiles`` counts the calls that compiled or loaded compiled code
+        (one per new signature; their seconds are ``compile_s``), ``loads`` those of them that
+        only loaded AOTInductor packages compiled before, ``signatures`` lists their inputs
+        (``"f32[1,16,2,4,4]"``), ``calls`` counts every call.
     """
     with _LOCK:
         entries = {name: e.as_dict() for name, e in sorted(_ENTRIES.items())}
@@ -81,6 +86,7 @@ def compile_report() -> dict[str, Any]:
         "run_s": sum(e["run_s"] for e in entries.values()),
         "calls": sum(e["calls"] for e in entries.values()),
         "compiles": sum(e["compiles"] for e in entries.values()),
+        "loads": sum(e["loads"] for e in entries.values()),
         "entries": entries,
     }
 
@@ -91,24 +97,24 @@ def reset_compile_report() -> None:
         _ENTRIES.clear()
 
 
-_AOT_EVENTS = 0  # AOTInductor packages built or loaded (flowseam_accel.aot)
+_AOT_EVENTS = {"built": 0, "loaded": 0}  # AOTInductor packages (flowseam_accel.store)
 
 
-def count_compile_event() -> None:
-    """Book that the current call built or loaded compiled code outside dynamo (an AOTInductor
-    package, :mod:`flowseam_accel.aot`)."""
-    global _AOT_EVENTS
+def count_compile_event(built: bool = True) -> None:
+    """Book that the current call built (``built``) or loaded compiled code outside dynamo (an
+    AOTInductor package, :mod:`flowseam_accel.store`)."""
     with _LOCK:
-        _AOT_EVENTS += 1
+        _AOT_EVENTS["built" if built else "loaded"] += 1
 
 
-def _compile_events() -> int:
-    """Graphs dynamo has built plus frames it has converted in this process (fullgraph
-    compiles count only the former, graph-breaking ones both; either growing means work), plus
-    AOTInductor packages built or loaded."""
+def _compile_events() -> tuple[int, int]:
+    """``(built, loaded)``: graphs dynamo has built plus frames it has converted in this
+    process (fullgraph compiles count only the former, graph-breaking ones both; either growing
+    means work) plus AOTInductor packages built; AOTInductor packages loaded."""
     from torch._dynamo.utils import counters  # imported by torch.compile already
 
-    return counters["stats"]["unique_graphs"] + counters["frames"]["total"] + _AOT_EVENTS
+    return (counters["stats"]["unique_graphs"] + counters["frames"]["total"]
+            + _AOT_EVENTS["built"], _AOT_EVENTS["loaded"])
 
 
 _DTYPE_SHORT = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16",
@@ -138,7 +144,8 @@ class Timed:
     When flowseam's notices are on (the ``flowseam`` command turns them on), the first call with
     each input signature is announced with :func:`flowseam.console.long_wait` — a compile takes
     minutes on a small CPU and would otherwise look like a hang — and its closing line says
-    whether it compiled. Wrappers with the same ``name`` (the blocks of one class in a regionally
+    whether it compiled, only loaded packages compiled before, or neither, and the seconds it
+    took. Wrappers with the same ``name`` (the blocks of one class in a regionally
     compiled DiT) share what they have seen, so a signature is announced once per name."""
 
     def __init__(self, name: str, fn: Callable) -> None:
@@ -154,20 +161,24 @@ class Timed:
             sig = signature(args, kwargs)
             if sig not in self._seen:
                 self._seen.add(sig)
-                message = (f"accel: compiling {self.name} for new input shapes "
-                           "(first call; cached on disk afterwards)")
+                message = (f"accel: preparing {self.name} for new input shapes "
+                           "(compiled on the first call, cached on disk)")
                 with long_wait(message) as wait:
                     out, compiled = self._call(args, kwargs)
-                    wait.outcome = "compiled" if compiled else "ready (compiled before)"
+                    wait.outcome = {"compiled": "compiled", "loaded": "loaded (compiled before)",
+                                    None: "ready (compiled before)"}[compiled]
                 return out
         return self._call(args, kwargs)[0]
 
-    def _call(self, args: tuple, kwargs: dict) -> tuple[Any, bool]:
-        """``(fn's result, whether dynamo compiled during the call)``, booked."""
-        events = _compile_events()
+    def _call(self, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+        """``(fn's result, what happened)``, booked: ``"compiled"`` when dynamo built a graph or
+        an AOTInductor package was built during the call, ``"loaded"`` when packages compiled
+        before were only loaded, else ``None``."""
+        built, loaded = _compile_events()
         start = time.perf_counter()
         out = self.fn(*args, **kwargs)
-        compiled = _compile_events() != events
+        now = _compile_events()
+        compiled = ("compiled" if now[0] != built else "loaded" if now[1] != loaded else None)
         if compiled and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -176,6 +187,7 @@ class Timed:
             entry.calls += 1
             if compiled:
                 entry.compiles += 1
+                entry.loads += compiled == "loaded"
                 entry.compile_s += seconds
                 entry.signatures.append(signature(args, kwargs))
             else:

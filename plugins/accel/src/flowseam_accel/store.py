@@ -93,11 +93,12 @@ def folder() -> Path:
     return Path(cache_dir()) / "flowseam_accel_aot"
 
 
-def count_event() -> None:
-    """Book that the current call built or loaded a package (:mod:`flowseam_accel.compiled`)."""
+def count_event(built: bool) -> None:
+    """Book that the current call built (``built``) or loaded a package
+    (:func:`flowseam_accel.compiled.count_compile_event`)."""
     from . import compiled
 
-    compiled.count_compile_event()
+    compiled.count_compile_event(built)
 
 
 class Package:
@@ -221,7 +222,7 @@ def find(key: str, shapes: tuple, loaded: set[Path], found: list,
         loaded.add(path)
         found.append(package)
         if package.accepts(shapes):
-            count_event()
+            count_event(built=False)
             return package, None
     return None, None
 
@@ -291,7 +292,7 @@ def write(program: torch.export.ExportedProgram, path: Path, skip: int = 0) -> d
                 "sha256": sha256(tmp)}
     with atomic_path(path.with_suffix(".json")) as tmp:  # last: then the package counts
         tmp.write_text(json.dumps(meta))
-    count_event()
+    count_event(built=True)
     return meta
 
 
