@@ -502,6 +502,25 @@ def test_threads_calling_one_compiled_dit_at_once_all_finish_with_the_right_resu
     assert len(diffs) == 20 and max(diffs) < 1e-4
 
 
+def test_models_built_and_dropped_leave_no_block_registered(accel, tiny_wan):
+    """flowseam_accel.aot registers each compiled block (a weak reference, for its ops'
+    callbacks): a model built and dropped (a trainer's copies, a server's swaps) takes its
+    blocks' entries with it, so the registry does not grow with every model built."""
+    import gc
+
+    from flowseam_accel import aot
+
+    spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan), "transformer")
+    gc.collect()
+    before = len(aot._BLOCKS)
+    for _ in range(2):
+        dit = accel.build_component("dit", spec)
+        assert len(aot._BLOCKS) == before + 2   # tiny_wan has 2 blocks
+        del dit
+        gc.collect()
+    assert len(aot._BLOCKS) == before
+
+
 def test_a_failed_export_is_recorded_only_when_the_program_is_why(tmp_path, monkeypatch):
     """flowseam_accel.store: a failure of the program (g++ rejects the code) is recorded in
     ``<key>.failed``, and a later process goes straight to torch.compile; a failure of the run

@@ -93,7 +93,11 @@ from . import store
 from .store import AOT_ENV, enabled  # noqa: F401 - accel's switch, read when a DiT is built
 
 _LOCK = threading.RLock()
-_BLOCKS: list[weakref.ref] = []      # a block's index (its tensor argument to the op) -> block
+# a block's index (its tensor argument to the ops) -> block; an entry leaves with its block, so
+# models built and dropped (a trainer's copies, a server's swaps) do not pile up; indexes are
+# never reused (a package call in flight keeps its block, and with it its entry, alive)
+_BLOCKS: dict[int, weakref.ref] = {}
+_INDEXES = itertools.count()
 _EXPORTING = threading.local()      # during an export: attention modules, their outputs' rules
 _SIMPLE = (int, float, bool, str, type(None))
 
@@ -151,9 +155,7 @@ def _block_module(index: torch.Tensor, call: str,
     ``tensors`` (its tensor arguments, flattened); its tensor outputs, flattened, contiguous and
     owned by the caller (a module that reuses its output across steps returns the tensor it
     keeps: the compiled code may write into its outputs' buffers, so those are copies)."""
-    block = _BLOCKS[int(index)]()
-    if block is None:
-        raise RuntimeError(f"accel: block {int(index)} of an AOT-compiled DiT no longer exists")
+    block = _registered_block(index)
     # a copy this op returned earlier, passed back unchanged (its last use has not come yet, so
     # the compiled code cannot have written into it): the module gets the original, so that a
     # reusing module (attn2.norm_k after attn2.to_k) matches its input by identity, not by bits
@@ -166,6 +168,18 @@ def _block_module(index: torch.Tensor, call: str,
     for copy_, original in zip(outputs, originals):
         copies[id(copy_)] = (weakref.ref(copy_), original)
     return outputs
+
+
+def _registered_block(index: torch.Tensor) -> torch.nn.Module:
+    """The block registered under ``index`` (:data:`_BLOCKS`).
+
+    :raises RuntimeError: when that block no longer exists.
+    """
+    ref = _BLOCKS.get(int(index))
+    block = ref() if ref is not None else None
+    if block is None:
+        raise RuntimeError(f"accel: block {int(index)} of an AOT-compiled DiT no longer exists")
+    return block
 
 
 _COPIES = threading.local()   # per thread: id(copy block_module returned) -> (weakref, original)
@@ -183,9 +197,7 @@ def _attention(index: torch.Tensor, name: str, query: torch.Tensor, key: torch.T
     it (:func:`flowseam.attention.routed_processor`): ``(B, heads, S_q, D)`` query,
     ``(B, heads, S_kv, D)`` key/value, float, on the CPU -> ``(B, heads, S_q, D_v)``, contiguous.
     The call is counted by the processor's route as an eager call is."""
-    block = _BLOCKS[int(index)]()
-    if block is None:
-        raise RuntimeError(f"accel: block {int(index)} of an AOT-compiled DiT no longer exists")
+    block = _registered_block(index)
     route = block.get_submodule(name).processor._mode
     route.calls += 1
     return route.attn(query, key, value, attn_mask=None, scale=scale).contiguous()
@@ -318,11 +330,12 @@ class AOTBlock:
     runs (the caller then uses the ``torch.compile`` path)."""
 
     def __init__(self, block: torch.nn.Module, name: str, packages: Packages) -> None:
-        self._block = weakref.ref(block)
+        index = next(_INDEXES)   # atomic under the GIL
+        # the callback takes no lock: it runs wherever the block is collected
+        self._block = weakref.ref(block, lambda _: _BLOCKS.pop(index, None))
+        _BLOCKS[index] = self._block
+        self.index = torch.tensor(index)
         self.name = name
-        with _LOCK:
-            _BLOCKS.append(self._block)
-            self.index = torch.tensor(len(_BLOCKS) - 1)
         self._attention = _attention_names(block)
         # shared by the blocks of one class in one model: fast table and loaded packages
         self._packages = packages
