@@ -33,7 +33,13 @@ compiled in place.
     cache state a graph of its own: four signatures per video shape, 676 s of a 782 s cold start
     on two CPU cores and 54 s of a warm-cache start, again for every new frame count. cpu's
     eager build runs its convolutions on oneDNN (``flowseam_cpu.wan_vae``) and has nothing to
-    compile (accel/cpu with it: ``bench/backends.py``, in the README's benchmark table). So
+    compile (accel/cpu with it: ``bench/backends.py``, in the README's benchmark table).
+    Measured again on 2026-12-02 (``bench/vae_compile.py``, ``bench/backends.py``'s VAE, one
+    thread, load 2.0): ``torch.compile`` of ``decode`` is slower than cpu's eager build (242 vs
+    148 ms) after 294 CPU s of compiling; with inductor's ``freezing`` (weights folded in,
+    prepacked for oneDNN) it is faster (85 vs 181 ms) after 255 CPU s, again for every new frame
+    count. That would take ~100 ms off a ~470 ms accel generation at four times the 60 s
+    cold-start budget, so it stays off. So
     ``vae`` is not among :func:`flowseam_accel.plugin.flowseam_component_kinds`; the platform
     builds it on cpu and records the fallback (``platform.explain()``, ``model.provenance()`` says "(fallback)").
     On a CUDA host that keeps the VAE on the CPU, next to the text encoder; a GPU backend that
