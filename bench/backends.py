@@ -17,11 +17,11 @@ and dynamo's own count of graphs built.
 imported, so the start pays the full inductor compile (reproducible whatever ran before); then
 the same command is run again in a new process on that now filled directory (``--cache-dir``),
 which is the warm-cache start a user sees in every later process (the DiT blocks' no-grad calls
-and the float32 solver kernels load their AOTInductor packages from that directory,
-``flowseam_accel.aot`` and ``flowseam_accel.compiled.AOTFunction``; "graphs built" counts
-dynamo's graphs only, a loaded or built package counts as a compiled signature). Without
-either option the
-default cache directory is used as it is. Inductor compiles with one thread
+load their AOTInductor packages from that directory, ``flowseam_accel.aot``; the Euler step,
+the only solver kernel this loop calls, is cpu's eager call on the CPU and compiles nothing,
+``flowseam_accel.kernels``; "graphs built" counts dynamo's graphs only, a loaded or built
+package counts as a compiled signature). Without either option the default cache directory is
+used as it is. Inductor compiles with one thread
 (``TORCHINDUCTOR_COMPILE_THREADS=1``, unless set), so the CPU seconds printed next to the wall
 seconds include the C++ compiler's: on a shared machine they are the figure that does not
 depend on what else runs. ``--threads 1`` runs torch with one intra-op thread (as

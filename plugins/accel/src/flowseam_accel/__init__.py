@@ -9,8 +9,9 @@ the worked example for third-party backend authors, one concept per module:
                   kernel registrations, component kinds and builder
 ``device``        which torch device (cuda, else mps, else cpu), the arch chain, whether
                   torch.compile can run here
-``kernels``       ``flow_match_step`` and ``flow_sde_step``, fused by torch.compile, following
-                  the contracts in :mod:`flowseam.ops`
+``kernels``       ``flow_match_step``, ``flow_sde_step`` and ``flow_renoise``, fused by
+                  inductor (on the CPU the Euler step is cpu's eager call, measured faster),
+                  following the contracts in :mod:`flowseam.ops`
 ``components``    the ``dit`` builder: the real diffusers class, its repeated transformer
                   blocks compiled in place (regional compilation); why the VAE is left to cpu
 ``aot``           the blocks' no-grad calls through AOTInductor packages cached on disk
@@ -44,7 +45,8 @@ Reusing compiled code across processes
     forward/backward split on top of it. Both live under ``TORCHINDUCTOR_CACHE_DIR`` (default
     ``/tmp/torchinductor_<user>``). A later process still traces with dynamo (that part is not
     cached; regional compilation keeps it to one block per block class) but then loads instead
-    of compiling. The DiT blocks' no-grad calls and the float32 solver kernels on the CPU skip
+    of compiling. The DiT blocks' no-grad calls and the float32 solver kernels on the CPU (the
+    Euler step there compiles nothing at all, see :mod:`flowseam_accel.kernels`) skip
     dynamo altogether: their AOTInductor packages (:mod:`flowseam_accel.aot`,
     :mod:`flowseam_accel.kernels`) are stored under the same directory
     (:mod:`flowseam_accel.store`) and loaded as they are (figures: ``bench/backends.py --cold``, in the README's benchmark table). To keep the cache across machines or CI runs, point

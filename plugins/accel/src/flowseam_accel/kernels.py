@@ -5,9 +5,25 @@ Each public function validates its arguments exactly like every other backend
 scalar coefficients of the step in Python float64, and hands the tensor arithmetic to a small
 compiled function that inductor fuses into one loop over the latents.
 
-Two ways to run that function (:func:`flowseam_accel.compiled.compile_function`)
-    **On the CPU in float32** (accel's DiTs are float32, so every generation, rollout and update
-    of a loop on accel): an AOTInductor package per function (``torch.export`` with the
+The Euler step on the CPU is the exception: it is cpu's eager kernel
+(:func:`flowseam.ops.eager.flow_match_step`), nothing compiled. ``x + dt * v`` in float32 is one
+ATen call, ``torch.add(x, v, alpha=dt)``, which already makes a single vectorized pass over x and
+v; a fused kernel cannot do less work, and calling a package costs more. Measured with
+``bench/accel_kernels.py`` (2026-12-02 03:16 UTC, one torch thread, load 2.8), float32 per call,
+the Euler package alone (without accel's checks and autograd wrapper) against cpu's eager call:
+53.6 vs 13.6 µs at the bench's latents (2, 16, 5, 8, 8) and 2.61 vs 2.49 ms at a Wan 480p latent
+(1, 16, 21, 60, 104); through accel's whole former path (checks, autograd wrapper, package),
+215 vs 27 µs and 3.24 vs 2.55 ms (03:11 UTC, load 2.6). So the package saved nothing at any
+size. It was also a quarter of accel's cold start: 12.5 of the 53.2 CPU s of the cold first
+generation of ``bench/backends.py`` (03:12 UTC, load 2.9), 10.5 of them compiling the package's
+C++ wrapper, a fixed cost of every AOTInductor package however small its kernel. On the CPU
+accel's Euler step is therefore cpu's, bit for bit, in every dtype. The other kernels do save
+time and stay compiled: at the Wan 480p latent ``flow_renoise`` 3.38 vs 5.73 ms and
+``flow_sde_step`` 13.0 vs 34.7 ms (the same run of ``bench/accel_kernels.py``).
+
+Two ways to run the compiled functions (:func:`flowseam_accel.compiled.compile_function`)
+    **On the CPU in float32** (accel's DiTs are float32, so every rollout and update of a loop on
+    accel, and the causal loop's re-noising): an AOTInductor package per function (``torch.export`` with the
     flattened size ``N``, and the batch ``B`` of the log-prob, dynamic from 1 up, no upper bound),
     compiled once into accel's package store (:mod:`flowseam_accel.store`, next to the DiT
     blocks' packages) and loaded by every later process in milliseconds, without dynamo: a
@@ -64,6 +80,7 @@ from flowseam.ops import SDEStepOutput, as_sigma, check_renoise, check_sigmas, c
 from flowseam.ops.eager import HALF_LOG_2PI as _HALF_LOG_2PI
 from flowseam.ops.eager import compute_dtype as _compute_dtype
 from flowseam.ops.eager import deterministic_sde_step
+from flowseam.ops.eager import flow_match_step as eager_flow_match_step
 
 from .compiled import compile_function
 
@@ -137,7 +154,9 @@ def _kernel(fn, name: str, *dims: tuple):
     return compile_function(fn, name, aot=dims, aot_dtypes=_AOT_DTYPES, **_OPTIONS)
 
 
-_EULER = _kernel(_euler, "flow_match_step", _N, _N, ())
+# The Euler step's CPU calls never get here (cpu's eager kernel, see the module docstring), so
+# it has no package: other devices only.
+_EULER = compile_function(_euler, "flow_match_step", **_OPTIONS)
 _RENOISE = _kernel(_renoise, "flow_renoise", _N, _N, (None,))
 _SDE_SAMPLE = _kernel(_sde_sample, "flow_sde_step.sample", _N, _N, _N, (None,))
 _SDE_MEAN_LOG_PROB = _kernel(_sde_mean_log_prob, "flow_sde_step.log_prob", _BN, _BN, _BN, (None,))
@@ -213,7 +232,13 @@ def flow_match_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: 
     :param x: latents ``(B, ...)``, any float dtype; ``v``: velocity of the same shape.
     :returns: ``x``'s shape and dtype; the arithmetic is float32 (float64 for float64 ``x``).
     :raises ValueError: on a shape mismatch or sigmas outside the contract (see flowseam.ops).
+
+    On the CPU this is cpu's eager kernel (:func:`flowseam.ops.eager.flow_match_step`, one ATen
+    pass for float32), measured faster than a compiled one (module docstring); elsewhere the
+    compiled ``_euler``.
     """
+    if x.device.type == "cpu":
+        return eager_flow_match_step(x, v, sigma, sigma_next)
     sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v)
     check_sigmas(sigma, sigma_next, sde=False)
