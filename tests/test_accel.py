@@ -570,7 +570,11 @@ def test_a_failed_export_is_recorded_only_when_the_program_is_why(tmp_path, monk
             raise exc
 
         for _process in range(2):
+            monkeypatch.setattr(store, "_FAILED_HERE", {})   # a new process
             assert store.obtain(key, ((1,),), set(), [], export, said.append) is store.FAILED
+        # a new model of the same config in the same process: not exported again
+        assert store.obtain(key, ((1,),), set(), [], export, said.append) is store.FAILED
+        said.pop()
         record = tmp_path / "flowseam_accel_aot" / f"{key}.failed"
         assert record.is_file() == recorded and len(exports) == (1 if recorded else 2), key
         first = f"runs through torch.compile: exporting it for AOTInductor failed ({type(exc).__name__}"
@@ -581,6 +585,35 @@ def test_a_failed_export_is_recorded_only_when_the_program_is_why(tmp_path, monk
         else:
             assert said == [said[0]] * 2 and said[0].endswith("(not recorded: the next process "
                                                               "tries again)")
+
+
+def test_a_failure_of_the_program_is_recorded_whatever_the_caller_was_handling(tmp_path,
+                                                                              monkeypatch):
+    """flowseam_accel.store: torch.export's real error on data-dependent control flow is
+    recorded although the export ran while its caller handled a timeout or an out-of-memory
+    error (Python makes that the error's ``__context__``), and although the user's source line
+    it quotes mentions memory."""
+    from flowseam_accel import store
+
+    class Branches(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # the other branch: can't allocate memory for it
+                return x * 2
+            return x - 1
+
+    def export(path):
+        torch.export.export(Branches(), (torch.ones(3),))
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    for key, outer in (("timeout", TimeoutError("upstream timed out")),
+                       ("oom", torch.OutOfMemoryError("out of memory, batch halved"))):
+        said = []
+        try:
+            raise outer
+        except type(outer):
+            assert store.obtain(key, ((3,),), set(), [], export, said.append) is store.FAILED
+        record = tmp_path / "flowseam_accel_aot" / f"{key}.failed"
+        assert record.is_file() and said[0].endswith(f"(recorded in {record})"), said
 
 
 def test_a_bad_aot_switch_is_refused_naming_it_before_the_dit_loads(accel, tiny_wan, monkeypatch):

@@ -44,8 +44,11 @@ Failures
     An exception counts as transient when it, or one it was raised from or while handling
     (``__cause__``, ``__context__``: inductor re-raises a lowering error ``from None``), is one
     of these (a ``KeyboardInterrupt`` too; raised itself, it is not caught). The process that
-    saw a transient failure keeps the ``torch.compile`` path for that call structure (it does
-    not retry in a loop); the next process tries again. The keys hash torch's version
+    saw a transient failure keeps the ``torch.compile`` path for that key, for every model it
+    builds (it does not retry in a loop); the next process tries again. What the caller was
+    handling when the export started (a server retrying after a timeout, a trainer after an
+    out-of-memory error) is not looked at, and only inductor's and the compiler's messages are
+    read (an export error quotes the user's source). The keys hash torch's version
     (``aot.AOTBlock._key``, ``compiled.AOTFunction._key``), so a torch upgrade looks up new
     keys and retries what failed before.
 
@@ -145,17 +148,26 @@ def recorded_failure(key: str) -> tuple[Path, str] | None:
     return (failed, failed.read_text()) if failed.is_file() else None
 
 
-def record_failure(key: str, exc: BaseException) -> tuple[str, Path | None]:
+def record_failure(key: str, exc: BaseException,
+                   outer: BaseException | None = None) -> tuple[str, Path | None]:
     """``(reason, record)``: why exporting or compiling for ``key`` failed, recorded in
     ``<key>.failed`` for later processes unless writing was what failed (an ``OSError`` or
     :class:`flowseam.errors.FlowseamError`, e.g. a full disk) or the failure is
     :func:`transient`; then ``record`` is ``None``."""
     reason = f"exporting it for AOTInductor failed ({_first_line(exc)})"
     failed = folder() / f"{key}.failed"
-    if not isinstance(exc, (OSError, FlowseamError)) and not transient(exc):
+    if transient(exc, outer):
+        _FAILED_HERE[key] = reason   # this process does not try it again, for any model
+    elif not isinstance(exc, (OSError, FlowseamError)):
         with contextlib.suppress(OSError, FlowseamError), atomic_path(failed) as tmp:
             tmp.write_text(reason)
     return reason, (failed if failed.is_file() else None)
+
+
+# keys whose export or compile failed transiently in this process: not recorded on disk (the
+# next process tries again), but not tried again here, whichever model asks (a new model of
+# the same config would otherwise export and compile again, and run out of memory again)
+_FAILED_HERE: dict[str, str] = {}
 
 
 # what a C++ compiler's driver prints when the OOM killer or a signal ended its compiler
@@ -163,30 +175,47 @@ def record_failure(key: str, exc: BaseException) -> tuple[str, Path | None]:
 # execute command: Killed") or when that process ran out of memory
 _KILLED = re.compile(r"(Killed|Terminated|Interrupt) signal terminated program"
                      r"|unable to execute command: (Killed|Terminated|Interrupt)"
-                     r"|virtual memory exhausted|out of memory allocating"
-                     r"|can't allocate memory")
+                     r"|virtual memory exhausted|out of memory allocating")
+# torch's CPU allocator (c10/core/impl/alloc_cpu.cpp)
+_ALLOCATOR = re.compile(r"DefaultCPUAllocator: can't allocate memory")
 
 
-def transient(exc: BaseException) -> bool:
+def transient(exc: BaseException, outer: BaseException | None = None) -> bool:
     """Whether ``exc`` is a failure of this run, not of the program exported (see Failures in
     the module docstring): it, or an exception in its ``__cause__``/``__context__`` chain, is a
     ``MemoryError``, ``torch.OutOfMemoryError``, ``TimeoutError``,
     ``subprocess.TimeoutExpired``, ``BrokenProcessPool``, ``KeyboardInterrupt``, a
     ``subprocess.CalledProcessError`` of a process killed by a signal (negative
     ``returncode``), or an error whose message is a compiler's or torch's allocator's report of
-    a killed process or exhausted memory."""
+    a killed process or exhausted memory. ``outer`` (the exception the caller was handling
+    when the export started, ``sys.exc_info()``) and its chain are not looked at: Python makes
+    it the ``__context__`` of whatever the export raises, and it says nothing about the export.
+    Only inductor's errors (``CppCompileError``, a compile worker's) and ``CalledProcessError``
+    are read for a compiler's report, only a ``RuntimeError`` for the allocator's: other
+    errors' messages quote the user's source code."""
     from concurrent.futures.process import BrokenProcessPool
 
     kinds = (MemoryError, torch.OutOfMemoryError, TimeoutError, subprocess.TimeoutExpired,
              BrokenProcessPool, KeyboardInterrupt)
     seen: set[int] = set()
+    pending = [outer]
+    while pending:   # the caller's exception and its chain: not the export's
+        e = pending.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            pending += [e.__cause__, e.__context__]
     pending = [exc]
     while pending:
         e = pending.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if (isinstance(e, kinds) or _KILLED.search(str(e))
+        # inductor's errors (CppCompileError, a compile worker's) and the compiler process's
+        compiler = (type(e).__module__.startswith("torch._inductor")
+                    or isinstance(e, subprocess.CalledProcessError))
+        if (isinstance(e, kinds)
+                or (compiler and _KILLED.search(f"{e} {getattr(e, 'output', '')}"))
+                or (isinstance(e, RuntimeError) and _ALLOCATOR.search(str(e)))
                 or (isinstance(e, subprocess.CalledProcessError) and e.returncode < 0)):
             return True
         pending += [e.__cause__, e.__context__]
@@ -253,6 +282,12 @@ def obtain(key: str, shapes: tuple, paths: set[Path], found: list,
             "delete it to try again)")
         found.append(FAILED)
         return FAILED
+    if key in _FAILED_HERE:   # failed transiently in this process (for another model)
+        say(f"runs through torch.compile: {_FAILED_HERE[key]} (earlier in this process; "
+            "not recorded: the next process tries again)")
+        found.append(FAILED)
+        return FAILED
+    outer = sys.exc_info()[1]
     package, path = find(key, shapes, paths, found, say)
     if package is not None:
         return package
@@ -260,7 +295,7 @@ def obtain(key: str, shapes: tuple, paths: set[Path], found: list,
         try:
             package = Package(path, export(path))
         except Exception as exc:  # noqa: BLE001 - any failure: the caller's torch.compile path
-            reason, record = record_failure(key, exc)
+            reason, record = record_failure(key, exc, outer)
             say(f"runs through torch.compile: {reason}"
                 + (f" (recorded in {record})" if record
                    else " (not recorded: the next process tries again)"))
