@@ -582,9 +582,52 @@ def test_a_failed_export_is_recorded_only_when_the_program_is_why(tmp_path, monk
         if recorded:
             assert said[0].endswith(f"(recorded in {record})")
             assert said[1].endswith(f"(recorded in {record}; delete it to try again)")
-        else:
-            assert said == [said[0]] * 2 and said[0].endswith("(not recorded: the next process "
-                                                              "tries again)")
+            continue
+        for n in (1, 2):
+            assert said[n - 1].endswith(f"; {n} of 3 such failures in a row (not recorded: the "
+                                        "next process tries again)"), said
+        # the third process in a row that fails so: recorded, a fourth does not try again
+        for _process in range(2):
+            monkeypatch.setattr(store, "_FAILED_HERE", {})
+            assert store.obtain(key, ((1,),), set(), [], export, said.append) is store.FAILED
+        assert len(exports) == 3 and record.read_text().endswith("; 3 failures of the run in a "
+                                                                 "row"), (key, said)
+        assert said[-1].endswith(f"(recorded in {record}; delete it to try again)")
+
+
+def test_a_successful_export_resets_the_count_of_failures_of_the_run(tmp_path, monkeypatch):
+    """flowseam_accel.store: the count in ``<key>.transient`` is of failures *in a row*: an
+    export that succeeds removes it, so two failures of the run, a success, then two more
+    record nothing. (The successful export writes nothing and ``store.Package`` is replaced by
+    a class that accepts every shape: what is tested is the count, not AOTInductor's loader,
+    whose real use the other tests here cover; a real compile would add ~18 s.)"""
+    import subprocess
+
+    from flowseam_accel import store
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    class Accepting:   # in place of the loader: accepts every shape
+        def __init__(self, path, meta):
+            pass
+
+        def accepts(self, shapes):
+            return True
+
+    monkeypatch.setattr(store, "Package", Accepting)
+
+    def failing(path):
+        raise subprocess.TimeoutExpired("g++", 600)
+
+    def succeeding(path):
+        return {"pattern": [[3]]}
+
+    for export in (failing, failing, succeeding, failing, failing):
+        monkeypatch.setattr(store, "_FAILED_HERE", {})   # a new process
+        store.obtain("k", ((3,),), set(), [], export, lambda line: None)
+    folder = tmp_path / "flowseam_accel_aot"
+    assert (folder / "k.transient").read_text() == "2"
+    assert not (folder / "k.failed").exists()
+
 
 
 def test_a_failure_of_the_program_is_recorded_whatever_the_caller_was_handling(tmp_path,

@@ -45,7 +45,10 @@ Failures
     (``__cause__``, ``__context__``: inductor re-raises a lowering error ``from None``), is one
     of these (a ``KeyboardInterrupt`` too; raised itself, it is not caught). The process that
     saw a transient failure keeps the ``torch.compile`` path for that key, for every model it
-    builds (it does not retry in a loop); the next process tries again. What the caller was
+    builds (it does not retry in a loop); the next process tries again. Such failures are
+    counted in ``<key>.transient`` (plain text, removed when an export of the key succeeds): the
+    :data:`TRANSIENT_LIMIT` th in a row is recorded in ``<key>.failed`` as any other, so a
+    compile that runs out of memory on this machine every time is not retried by every process. What the caller was
     handling when the export started (a server retrying after a timeout, a trainer after an
     out-of-memory error) is not looked at, and only inductor's and the compiler's messages are
     read (an export error quotes the user's source). The keys hash torch's version
@@ -76,6 +79,7 @@ from torch.utils import _pytree as pytree
 
 AOT_ENV = "FLOWSEAM_ACCEL_AOT"
 MAX_PATTERNS = 16   # size patterns (packages) kept per key
+TRANSIENT_LIMIT = 3  # failures of the run in a row after which a key is recorded as failed
 FAILED = object()   # in a caller's list of packages: exporting or compiling for its key failed
 
 
@@ -153,15 +157,35 @@ def record_failure(key: str, exc: BaseException,
     """``(reason, record)``: why exporting or compiling for ``key`` failed, recorded in
     ``<key>.failed`` for later processes unless writing was what failed (an ``OSError`` or
     :class:`flowseam.errors.FlowseamError`, e.g. a full disk) or the failure is
-    :func:`transient`; then ``record`` is ``None``."""
+    :func:`transient` and fewer than :data:`TRANSIENT_LIMIT` in a row; then ``record`` is
+    ``None``. A transient failure is counted in ``<key>.transient`` (see Failures in the module
+    docstring)."""
     reason = f"exporting it for AOTInductor failed ({_first_line(exc)})"
     failed = folder() / f"{key}.failed"
     if transient(exc, outer):
         _FAILED_HERE[key] = reason   # this process does not try it again, for any model
-    elif not isinstance(exc, (OSError, FlowseamError)):
-        with contextlib.suppress(OSError, FlowseamError), atomic_path(failed) as tmp:
-            tmp.write_text(reason)
+        count = _count_transient(key)
+        if count < TRANSIENT_LIMIT:
+            return f"{reason}; {count} of {TRANSIENT_LIMIT} such failures in a row", None
+        reason = f"{reason}; {count} failures of the run in a row"
+    elif isinstance(exc, (OSError, FlowseamError)):
+        return reason, None
+    with contextlib.suppress(OSError, FlowseamError), atomic_path(failed) as tmp:
+        tmp.write_text(reason)
     return reason, (failed if failed.is_file() else None)
+
+
+def _count_transient(key: str) -> int:
+    """Add one to ``<key>.transient`` (a count in plain text; 0 if it is missing or unreadable)
+    and return the new count (1 if it cannot be written)."""
+    path = folder() / f"{key}.transient"
+    try:
+        count = int(path.read_text()) + 1
+    except (OSError, ValueError):
+        count = 1
+    with contextlib.suppress(OSError, FlowseamError), atomic_path(path) as tmp:
+        tmp.write_text(str(count))
+    return count
 
 
 # keys whose export or compile failed transiently in this process: not recorded on disk (the
@@ -300,6 +324,7 @@ def obtain(key: str, shapes: tuple, paths: set[Path], found: list,
                 + (f" (recorded in {record})" if record
                    else " (not recorded: the next process tries again)"))
         else:
+            (folder() / f"{key}.transient").unlink(missing_ok=True)   # the count is "in a row"
             paths.add(path)
             found.append(package)
             if package.accepts(shapes):   # exported from these shapes: always
