@@ -60,8 +60,8 @@ def _graphs() -> int:
 
 
 def _compile_lines(report: dict) -> list[str]:
-    return [f"    {name:<40} {e['compile_s']:6.1f} s compiling, {e['compiles']} signature(s), "
-            f"{e['run_s']:6.2f} s running, {e['calls']} calls"
+    return [f"    {name:<40} {e['compile_s']:6.1f} s compiling, {e['compiles']} signature(s) "
+            f"({e['loads']} loaded), {e['run_s']:6.2f} s running, {e['calls']} calls"
             for name, e in report["entries"].items()]
 
 
@@ -115,7 +115,8 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}; inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(default)')}")
     print(f"  accel start: load {load['accel']:.2f} s, first generation {start['accel']:.2f} s "
           f"({cpu_s['accel']:.1f} CPU s), of which {report['compile_s']:.1f} s in compiling calls "
-          f"({report['compiles']} signatures, {_graphs()} graphs built); load average "
+          f"({report['compiles']} signatures, {report['loads']} of them loaded, compiled before; "
+          f"{_graphs()} graphs built); load average "
           f"{os.getloadavg()[0]:.1f}")
     print("\n".join(_compile_lines(report)))
     if args.start_only:

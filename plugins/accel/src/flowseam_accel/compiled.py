@@ -75,7 +75,8 @@ def compile_report() -> dict[str, Any]:
     :returns: ``{"compile_s": float, "run_s": float, "calls": int, "compiles": int,
         "loads": int, "entries": {name: {"compile_s", "run_s", "calls", "compiles", "loads",
         "signatures"}}}``: ``compiles`` counts the calls that compiled or loaded compiled code
-        (one per new signature; their seconds are ``compile_s``), ``loads`` those of them that
+        (one per new signature of each compiled function: a model built again in this process
+        books its signatures again; their seconds are ``compile_s``), ``loads`` those of them that
         only loaded AOTInductor packages compiled before, ``signatures`` lists their inputs
         (``"f32[1,16,2,4,4]"``), ``calls`` counts every call.
     """
