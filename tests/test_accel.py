@@ -606,6 +606,7 @@ def test_a_successful_export_resets_the_count_of_failures_of_the_run(tmp_path, m
     from flowseam_accel import store
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
     class Accepting:   # in place of the loader: accepts every shape
         def __init__(self, path, meta):
             pass
@@ -627,7 +628,6 @@ def test_a_successful_export_resets_the_count_of_failures_of_the_run(tmp_path, m
     folder = tmp_path / "flowseam_accel_aot"
     assert (folder / "k.transient").read_text() == "2"
     assert not (folder / "k.failed").exists()
-
 
 
 def test_a_failure_of_the_program_is_recorded_whatever_the_caller_was_handling(tmp_path,

@@ -233,8 +233,6 @@ def compile_function(fn: Callable, name: str, *, aot: tuple | None = None,
     return Timed(name, call)
 
 
-
-
 def _source(fn: Callable) -> str:
     """``fn``'s source code (its bytecode and names where the source is not installed) and the
     values of the plain module constants it reads (``_A``, ``_STD``, ...): what the export

@@ -67,7 +67,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,19 +221,8 @@ def transient(exc: BaseException, outer: BaseException | None = None) -> bool:
 
     kinds = (MemoryError, torch.OutOfMemoryError, TimeoutError, subprocess.TimeoutExpired,
              BrokenProcessPool, KeyboardInterrupt)
-    seen: set[int] = set()
-    pending = [outer]
-    while pending:   # the caller's exception and its chain: not the export's
-        e = pending.pop()
-        if e is not None and id(e) not in seen:
-            seen.add(id(e))
-            pending += [e.__cause__, e.__context__]
-    pending = [exc]
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    callers = {id(e) for e in _chain(outer)}   # the caller's exception and its chain
+    for e in _chain(exc, skip=callers):
         # inductor's errors (CppCompileError, a compile worker's) and the compiler process's
         compiler = (type(e).__module__.startswith("torch._inductor")
                     or isinstance(e, subprocess.CalledProcessError))
@@ -242,8 +231,21 @@ def transient(exc: BaseException, outer: BaseException | None = None) -> bool:
                 or (isinstance(e, RuntimeError) and _ALLOCATOR.search(str(e)))
                 or (isinstance(e, subprocess.CalledProcessError) and e.returncode < 0)):
             return True
-        pending += [e.__cause__, e.__context__]
     return False
+
+
+def _chain(exc: BaseException | None,
+           skip: set[int] | frozenset[int] = frozenset()) -> Iterator[BaseException]:
+    """``exc`` and every exception it was raised from or while handling (``__cause__``,
+    ``__context__``, recursively), each once, leaving out those whose ``id`` is in ``skip``
+    (and what only they lead to)."""
+    seen, pending = set(skip), [exc]
+    while pending:
+        e = pending.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            yield e
+            pending += [e.__cause__, e.__context__]
 
 
 def find(key: str, shapes: tuple, loaded: set[Path], found: list,
