@@ -200,7 +200,9 @@ _FAILED_HERE: dict[str, str] = {}
 _KILLED = re.compile(r"(Killed|Terminated|Interrupt) signal terminated program"
                      r"|unable to execute command: (Killed|Terminated|Interrupt)"
                      r"|virtual memory exhausted|out of memory allocating")
-# torch's CPU allocator (c10/core/impl/alloc_cpu.cpp)
+# torch's CPU allocator (c10/core/impl/alloc_cpu.cpp). Stricter than flowseam.faults'
+# is_out_of_memory (any RuntimeError saying "can't allocate memory"), which serves blame, not
+# recording: torch.export's errors are RuntimeErrors that quote the user's source line
 _ALLOCATOR = re.compile(r"DefaultCPUAllocator: can't allocate memory")
 
 
