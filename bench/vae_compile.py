@@ -37,12 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _cpu_seconds() -> float:
-    import resource
-
-    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+from backends import _cpu_seconds  # bench/backends.py: this process's and its children's CPU s
 
 
 def _one(variant: str, repeats: int) -> None:
