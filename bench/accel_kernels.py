@@ -23,24 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
+from step_check import alternate  # bench/step_check.py: blocks of calls, alternating
 
 SHAPES = {"bench latents (2, 16, 5, 8, 8)": (2, 16, 5, 8, 8),
           "Wan 480p latent (1, 16, 21, 60, 104)": (1, 16, 21, 60, 104)}
-
-
-def _median_us(fn, reps: int, blocks: int, other) -> tuple[float, float]:
-    """Medians (µs per call) of ``fn`` and ``other`` over ``blocks`` alternating blocks."""
-    times: tuple[list, list] = ([], [])
-    for _ in range(blocks):
-        for i, f in enumerate((fn, other)):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                f()
-            times[i].append((time.perf_counter() - t0) / reps * 1e6)
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main() -> None:
@@ -74,7 +62,8 @@ def main() -> None:
         }
         for op, (accel_call, cpu_call) in pairs.items():
             accel_call(), cpu_call()   # builds or loads the package
-            a, c = _median_us(accel_call, reps, args.repeats, cpu_call)
+            times = alternate({"accel": accel_call, "cpu": cpu_call}, args.repeats, reps)
+            a, c = (statistics.median(times[name]) * 1e6 for name in ("accel", "cpu"))
             print(f"  {label:<38} {op:<16} accel {a:9.1f} µs  cpu {c:9.1f} µs  accel/cpu {a / c:.2f}")
 
 
