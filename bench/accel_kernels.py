@@ -31,13 +31,31 @@ SHAPES = {"bench latents (2, 16, 5, 8, 8)": (2, 16, 5, 8, 8),
           "Wan 480p latent (1, 16, 21, 60, 104)": (1, 16, 21, 60, 104)}
 
 
+def _pairs(euler, x: torch.Tensor, v: torch.Tensor, noise: torch.Tensor) -> dict:
+    """``{kernel name: (accel's call, cpu's call)}`` on these latents, velocity and noise;
+    ``euler`` is the Euler step's package (see the module docstring)."""
+    from flowseam.ops import eager
+    from flowseam_accel import kernels
+
+    def accel_euler():
+        dt = torch.tensor(-0.1)
+        return euler(x.reshape(-1), v.reshape(-1), dt).reshape(x.shape)
+
+    return {
+        "flow_match_step": (accel_euler, lambda: eager.flow_match_step(x, v, 0.8, 0.7)),
+        "flow_renoise": (lambda: kernels.flow_renoise(x, noise, 0.3),
+                         lambda: eager.flow_renoise(x, noise, 0.3)),
+        "flow_sde_step": (lambda: kernels.flow_sde_step(x, v, 0.8, 0.7, noise=noise),
+                          lambda: eager.flow_sde_step(x, v, 0.8, 0.7, noise=noise)),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from flowseam.ops import eager
     from flowseam_accel import kernels
     from flowseam_accel.compiled import AOTFunction
 
@@ -49,18 +67,7 @@ def main() -> None:
         x, v, noise = (torch.randn(shape, generator=g) for _ in range(3))
         reps = 1000 if x.numel() < 100_000 else 40
 
-        def accel_euler():
-            dt = torch.tensor(-0.1)
-            return euler(x.reshape(-1), v.reshape(-1), dt).reshape(x.shape)
-
-        pairs = {
-            "flow_match_step": (accel_euler, lambda: eager.flow_match_step(x, v, 0.8, 0.7)),
-            "flow_renoise": (lambda: kernels.flow_renoise(x, noise, 0.3),
-                             lambda: eager.flow_renoise(x, noise, 0.3)),
-            "flow_sde_step": (lambda: kernels.flow_sde_step(x, v, 0.8, 0.7, noise=noise),
-                              lambda: eager.flow_sde_step(x, v, 0.8, 0.7, noise=noise)),
-        }
-        for op, (accel_call, cpu_call) in pairs.items():
+        for op, (accel_call, cpu_call) in _pairs(euler, x, v, noise).items():
             accel_call(), cpu_call()   # builds or loads the package
             times = alternate({"accel": accel_call, "cpu": cpu_call}, args.repeats, reps)
             a, c = (statistics.median(times[name]) * 1e6 for name in ("accel", "cpu"))
