@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from .errors import FlowseamError
+from .errors import FlowseamError, InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -94,11 +94,11 @@ class LoraSpec:
             try:
                 weight = float(tail)
             except ValueError:
-                raise ValueError(f"--lora {text!r}: weight {tail!r} is not a number; write "
+                raise InvalidInputError(f"--lora {text!r}: weight {tail!r} is not a number; write "
                                  "PATH[:WEIGHT][@EXPERT], e.g. style.safetensors:0.8") from None
             path = head
         if not path:
-            raise ValueError(f"--lora {text!r} names no file; write PATH[:WEIGHT][@EXPERT]")
+            raise InvalidInputError(f"--lora {text!r} names no file; write PATH[:WEIGHT][@EXPERT]")
         return cls(path, weight, expert)
 
     @property
@@ -129,15 +129,15 @@ def normalize_lora(value: Any) -> tuple[LoraSpec, ...]:
         elif isinstance(item, dict) and "path" in item and set(item) <= set(_SPEC_KEYS):
             weight = item.get("weight", 1.0)
             if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                raise ValueError(f"lora weight={weight!r} must be a number")
+                raise InvalidInputError(f"lora weight={weight!r} must be a number")
             specs.append(LoraSpec(str(item["path"]), float(weight), item.get("expert")))
         else:
-            raise ValueError(f"lora={item!r}: give 'PATH[:WEIGHT][@EXPERT]' or "
+            raise InvalidInputError(f"lora={item!r}: give 'PATH[:WEIGHT][@EXPERT]' or "
                              "{'path': ..., 'weight': ..., 'expert': ...}")
     keys = [s.key for s in specs]
     twice = sorted({k[0] for k in keys if keys.count(k) > 1})
     if twice:
-        raise ValueError(f"lora names {', '.join(twice)} twice; give each adapter once, with "
+        raise InvalidInputError(f"lora names {', '.join(twice)} twice; give each adapter once, with "
                          "its weight")
     return tuple(specs)
 

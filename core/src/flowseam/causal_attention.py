@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .attention import RoutedAttnProcessor
+from .errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def route_causal_attention(model: Any, attention: Callable, cached_attention: Ca
         else:
             processors[name] = RoutedAttnProcessor(proc, attention)
     if not any(isinstance(p, CausalSelfAttnProcessor) for p in processors.values()):
-        raise ValueError(f"{type(model).__name__} has no blocks.<i>.attn1 self-attention to make "
+        raise InvalidInputError(f"{type(model).__name__} has no blocks.<i>.attn1 self-attention to make "
                          "causal; the wan_causal loop drives WanTransformer3DModel")
     model.set_attention_backend("native")
     model.set_attn_processor(processors)
@@ -226,7 +227,7 @@ def causal_state(model: Any) -> CausalAttention:
     for proc in model.attn_processors.values():
         if isinstance(proc, CausalSelfAttnProcessor):
             return proc.state
-    raise ValueError(f"{type(model).__name__}'s self-attention is not routed for the causal loop "
+    raise InvalidInputError(f"{type(model).__name__}'s self-attention is not routed for the causal loop "
                      "(flowseam.causal_attention.route_causal_attention)")
 
 

@@ -10,7 +10,7 @@ import threading
 from typing import Any, Sequence
 
 from .console import backend_rows, enable_notices, print_backend_table, quiet_libraries
-from .errors import FlowseamError, PluginFaultError
+from .errors import FlowseamError, InvalidInputError, PluginFaultError
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -72,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         flag = GENERATE_FLAGS.get(getattr(exc, "field", ""))
         if flag and flag not in message:
             message = f"{flag}: {message}"
-        raise ValueError(message) from exc
+        raise InvalidInputError(message) from exc
 
 
 def _check_image_flag(args: argparse.Namespace) -> None:
@@ -83,10 +83,10 @@ def _check_image_flag(args: argparse.Namespace) -> None:
 
     card = read_card(args.model[0])
     if TaskType.I2V in card.tasks and args.image is None:
-        raise ValueError(f"--image is required: {args.model[0]} is {card.name}, image to video "
+        raise InvalidInputError(f"--image is required: {args.model[0]} is {card.name}, image to video "
                          "(pass --image PATH: the first frame)")
     if TaskType.I2V not in card.tasks and args.image is not None:
-        raise ValueError(f"--image: {args.model[0]} is {card.name}, which takes no image")
+        raise InvalidInputError(f"--image: {args.model[0]} is {card.name}, which takes no image")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -103,26 +103,26 @@ def _generate(args: argparse.Namespace) -> int:
     quiet_libraries()
     suffix = Path(args.output).suffix.lower()
     if args.stream and (suffix != ".mp4" or args.workflow is not None):
-        raise ValueError(f"--stream writes one model's video progressively as .mp4; got --output "
+        raise InvalidInputError(f"--stream writes one model's video progressively as .mp4; got --output "
                          f"{args.output}" + (f" and --workflow {args.workflow}" if args.workflow else ""))
     if suffix not in media.IMAGE_SUFFIXES + media.VIDEO_SUFFIXES + media.AUDIO_SUFFIXES:
-        raise ValueError(f"--output {args.output}: unsupported suffix {suffix!r}; use .png for "
+        raise InvalidInputError(f"--output {args.output}: unsupported suffix {suffix!r}; use .png for "
                          "images, .mp4 or .gif for videos, .wav for the sound alone")
     if args.fps is not None:
         media.check_fps(args.fps)
     image = media.read_image(args.image) if args.image is not None else None  # missing, bomb...
     if args.workflow is not None:
         if args.workflow not in WORKFLOWS:
-            raise ValueError(f"--workflow {args.workflow!r} is unknown; available: {sorted(WORKFLOWS)}")
+            raise InvalidInputError(f"--workflow {args.workflow!r} is unknown; available: {sorted(WORKFLOWS)}")
         if len(args.model) != 2:
-            raise ValueError(f"--workflow {args.workflow} needs two --model checkpoints (text-to-"
+            raise InvalidInputError(f"--workflow {args.workflow} needs two --model checkpoints (text-to-"
                              f"image, then image-to-video); got {len(args.model)}")
     elif len(args.model) != 1:
-        raise ValueError(f"give one --model (got {len(args.model)}); two are for --workflow t2i-i2v")
+        raise InvalidInputError(f"give one --model (got {len(args.model)}); two are for --workflow t2i-i2v")
     else:
         _check_image_flag(args)
     if args.stream and args.image is not None:
-        raise ValueError("--stream generates from text; --image is for image-to-video")
+        raise InvalidInputError("--stream generates from text; --image is for image-to-video")
     params = DiffusionParams(num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
                              height=args.height, width=args.width, num_frames=args.frames,
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
@@ -133,13 +133,13 @@ def _generate(args: argparse.Namespace) -> int:
                              lora=tuple(args.lora or ()), cache=args.cache)
     for spec in params.lora:  # before any model loads
         if not Path(spec.path).is_file():
-            raise ValueError(f"--lora {spec.path} does not exist")
+            raise InvalidInputError(f"--lora {spec.path} does not exist")
         if args.workflow is not None:
-            raise ValueError("--lora applies to one model; a --workflow runs two")
+            raise InvalidInputError("--lora applies to one model; a --workflow runs two")
     ignore = tuple(args.ignore_scheduler_option or ())
     backends = args.backend or [None]
     if len(backends) > (2 if args.workflow else 1):
-        raise ValueError(f"--backend given {len(backends)} times; once, or once per workflow stage")
+        raise InvalidInputError(f"--backend given {len(backends)} times; once, or once per workflow stage")
     # the cards (from model_index.json alone) give the defaults the memory check needs
     stages = WORKFLOWS[args.workflow].stage_params(params) if args.workflow else (params,)
     for model_path, stage in zip(args.model, stages):
@@ -185,7 +185,7 @@ def _generate(args: argparse.Namespace) -> int:
         frames, models, runs = result.frames, [model], [result]
     stage = result.stages[-1] if args.workflow is not None else result
     if frames.shape[1] > 1 and suffix in media.IMAGE_SUFFIXES:
-        raise ValueError(f"--output {args.output}: this request makes a {frames.shape[1]}-frame "
+        raise InvalidInputError(f"--output {args.output}: this request makes a {frames.shape[1]}-frame "
                          "video; use .mp4 or .gif")
     audio = stage.audio[0] if stage.audio is not None else None
     if audio is not None and suffix == ".gif":
@@ -216,7 +216,7 @@ def _check_sound(output: str, suffix: str, model) -> None:
     from . import media
 
     if suffix in media.AUDIO_SUFFIXES and not model.card.audio:
-        raise ValueError(f"--output {output}: {model.card.name} makes no sound; use .png, .mp4 "
+        raise InvalidInputError(f"--output {output}: {model.card.name} makes no sound; use .png, .mp4 "
                          "or .gif")
 
 
@@ -250,7 +250,7 @@ def _set_override(config: dict, override: str) -> None:
     can be, else kept as a string)."""
     key, sep, value = override.partition("=")
     if not sep or not key:
-        raise ValueError(f"--set {override!r} must look like key=value or table.key=value")
+        raise InvalidInputError(f"--set {override!r} must look like key=value or table.key=value")
     try:
         parsed = json.loads(value)
     except ValueError:
@@ -260,7 +260,7 @@ def _set_override(config: dict, override: str) -> None:
     for table in tables:
         target = target.setdefault(table, {})
         if not isinstance(target, dict):
-            raise ValueError(f"--set {override!r}: {table!r} is not a table of the config")
+            raise InvalidInputError(f"--set {override!r}: {table!r} is not a table of the config")
     target[last] = parsed
 
 
@@ -277,7 +277,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(show_config(args.method, method), end="")
         return 0
     if not args.config:
-        raise ValueError("--config is required (a .toml or .yaml file); --show-config prints "
+        raise InvalidInputError("--config is required (a .toml or .yaml file); --show-config prints "
                          f"every key of {args.method}'s config with its default")
     config = load_config(args.config)
     for override in args.set or []:
@@ -285,14 +285,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.output_dir:
         config["output_dir"] = args.output_dir
     if args.nproc is not None and args.nproc < 1:
-        raise ValueError(f"--nproc={args.nproc} must be >= 1")
+        raise InvalidInputError(f"--nproc={args.nproc} must be >= 1")
     launcher = args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ
     if launcher:  # not yet a rank
         check = getattr(method, "check_world_size", None)
         if check is not None:
             check(config, args.nproc)  # e.g. a batch that does not split: fail before spawning
     if not config.get("output_dir"):
-        raise ValueError("the run needs somewhere to write its trained model: set output_dir in "
+        raise InvalidInputError("the run needs somewhere to write its trained model: set output_dir in "
                          "the config, or pass --output-dir DIR")
     if launcher:
         from .training.distributed import launch
@@ -398,7 +398,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             continue
         if value < low or (high is not None and value > high):
             allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise ValueError(f"--{name.replace('_', '-')}={value} must be {allowed}")
+            raise InvalidInputError(f"--{name.replace('_', '-')}={value} must be {allowed}")
     output = Path(args.output)
     try:  # fail now, not after minutes of work, if the outputs cannot be written
         output.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import CheckpointError, FlowseamError, UntrustedComponentError
+from .errors import CheckpointError, FlowseamError, InvalidInputError, UntrustedComponentError
 
 #: Component kinds flowseam's cards use; a backend declares the ones it builds
 #: (``flowseam_component_kinds``) and every other kind falls back to cpu:
@@ -51,7 +51,7 @@ class ComponentSpec:
 
     def __post_init__(self) -> None:
         if self.path is None and self.config is None:
-            raise ValueError(f"ComponentSpec {self.name!r}: give a checkpoint path or a config")
+            raise InvalidInputError(f"ComponentSpec {self.name!r}: give a checkpoint path or a config")
 
     def describe(self) -> str:
         where = f"{self.path}/{self.subfolder}" if self.path and self.subfolder else (self.path or "config")

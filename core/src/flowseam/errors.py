@@ -91,7 +91,15 @@ class ComponentFaultError(PluginFaultError):
     raised or returned something wrong while a loop ran it."""
 
 
-class InvalidParameterError(FlowseamError, ValueError):
+class InvalidInputError(FlowseamError, ValueError):
+    """Input flowseam refuses: a request, option, config value, file or argument that is not
+    allowed. The message names the value and what is allowed; it is raised before any model runs
+    where the input is known that early. Still a ``ValueError``, as diffusers raises for the same
+    kind of input, so callers that catch ``ValueError`` keep working. The CLI prints it as one line
+    and exits 2 ("bad input")."""
+
+
+class InvalidParameterError(InvalidInputError):
     """A request parameter is invalid (not finite, out of range, the wrong type, more memory
     than the machine has). ``field`` names it (``"guidance_scale"``); the message names the
     value and what is allowed. The CLI names the matching option (``--guidance``)."""

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .errors import FlowseamError, InvalidParameterError
+from .errors import FlowseamError, InvalidInputError, InvalidParameterError
 
 IMAGE_SUFFIXES = (".png",)
 VIDEO_SUFFIXES = (".mp4", ".gif")
@@ -151,13 +151,13 @@ def read_image(image: Any) -> "Any":
     if isinstance(image, Image.Image):
         w, h = image.size
         if w * h > MAX_IMAGE_PIXELS:
-            raise ValueError(f"image is {w}x{h} = {w * h:,} pixels, over flowseam's limit of "
+            raise InvalidInputError(f"image is {w}x{h} = {w * h:,} pixels, over flowseam's limit of "
                              f"{MAX_IMAGE_PIXELS:,}")
         return _to_rgb(ImageOps.exif_transpose(image), "image")
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
         if not path.is_file():
-            raise ValueError(f"image {path} does not exist")
+            raise InvalidInputError(f"image {path} does not exist")
         try:
             with warnings.catch_warnings():  # PIL only warns below twice its limit; refuse
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -165,22 +165,22 @@ def read_image(image: Any) -> "Any":
             with im:
                 w, h = im.size
                 if w * h > MAX_IMAGE_PIXELS:
-                    raise ValueError(
+                    raise InvalidInputError(
                         f"image {path} is {w}x{h} = {w * h:,} pixels, over flowseam's limit of "
                         f"{MAX_IMAGE_PIXELS:,} (a decompression bomb?); it was not decoded")
                 im.load()  # decode now: a truncated file fails here, not halfway through a run
                 im = ImageOps.exif_transpose(im)
                 return _to_rgb(im, str(path))
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise ValueError(f"image {path} is over the pixel limit (a decompression bomb?); it "
+            raise InvalidInputError(f"image {path} is over the pixel limit (a decompression bomb?); it "
                              f"was not decoded: {exc}") from exc
         except UnidentifiedImageError as exc:
-            raise ValueError(f"image {path} is not an image PIL can read ({exc})") from exc
+            raise InvalidInputError(f"image {path} is not an image PIL can read ({exc})") from exc
         except (OSError, SyntaxError) as exc:
-            raise ValueError(f"image {path} cannot be decoded (truncated or corrupt?): {exc}") from exc
+            raise InvalidInputError(f"image {path} cannot be decoded (truncated or corrupt?): {exc}") from exc
     if isinstance(image, np.ndarray):
         return _array_to_rgb(image)
-    raise ValueError(f"image={type(image).__name__} is not supported; pass a PIL image, a path, "
+    raise InvalidInputError(f"image={type(image).__name__} is not supported; pass a PIL image, a path, "
                      "or an (H, W, 3) float array in [0, 1]")
 
 
@@ -193,12 +193,12 @@ def _to_rgb(im: Any, name: str) -> Any:
     if mode.startswith("I;16") or mode == "I":
         a = np.asarray(im, dtype=np.int64)
         if a.size and (a.min() < 0 or a.max() > 65535):
-            raise ValueError(f"image {name} has mode {mode} with values outside 0..65535; "
+            raise InvalidInputError(f"image {name} has mode {mode} with values outside 0..65535; "
                              "convert it to 8- or 16-bit first")
         grey = np.round(a / 257.0).astype(np.uint8)
         return Image.fromarray(grey, mode="L").convert("RGB")
     if mode == "F":
-        raise ValueError(f"image {name} is a 32-bit float image (mode F), which has no defined "
+        raise InvalidInputError(f"image {name} is a 32-bit float image (mode F), which has no defined "
                          "white level; convert it to 8- or 16-bit first")
     if mode == "CMYK" and im.info.get("icc_profile"):
         import io
@@ -216,16 +216,16 @@ def _array_to_rgb(a: np.ndarray) -> Any:
     if a.ndim == 2:
         a = np.repeat(a[..., None], 3, axis=-1)
     if a.ndim != 3 or a.shape[-1] != 3:
-        raise ValueError(f"image array has shape {a.shape}; expected (H, W, 3) or (H, W)")
+        raise InvalidInputError(f"image array has shape {a.shape}; expected (H, W, 3) or (H, W)")
     if a.dtype == np.uint8:
         return Image.fromarray(a, mode="RGB")
     if not np.issubdtype(a.dtype, np.floating):
-        raise ValueError(f"image array has dtype {a.dtype}; expected float in [0, 1] or uint8")
+        raise InvalidInputError(f"image array has dtype {a.dtype}; expected float in [0, 1] or uint8")
     if not np.isfinite(a).all():
-        raise ValueError(f"image array has {int((~np.isfinite(a)).sum())} non-finite value(s)")
+        raise InvalidInputError(f"image array has {int((~np.isfinite(a)).sum())} non-finite value(s)")
     lo, hi = float(a.min()), float(a.max())
     if lo < 0.0 or hi > 1.0:
-        raise ValueError(f"image array has values in [{lo:.4g}, {hi:.4g}]; expected [0, 1]")
+        raise InvalidInputError(f"image array has values in [{lo:.4g}, {hi:.4g}]; expected [0, 1]")
     return Image.fromarray(to_uint8(a), mode="RGB")
 
 
@@ -255,9 +255,9 @@ def write_image(path: str | os.PathLike, image: np.ndarray) -> Path:
 
     path = Path(path)
     if path.suffix.lower() not in IMAGE_SUFFIXES:
-        raise ValueError(f"image output {path} must end in .png")
+        raise InvalidInputError(f"image output {path} must end in .png")
     if image.ndim != 3 or image.shape[-1] != 3:
-        raise ValueError(f"image has shape {image.shape}; expected (H, W, 3)")
+        raise InvalidInputError(f"image has shape {image.shape}; expected (H, W, 3)")
     with atomic_path(path) as tmp:
         Image.fromarray(to_uint8(image)).save(tmp, format="PNG")
     return path
@@ -285,9 +285,9 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float = 8,
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in VIDEO_SUFFIXES:
-        raise ValueError(f"video output {path} must end in one of {VIDEO_SUFFIXES}")
+        raise InvalidInputError(f"video output {path} must end in one of {VIDEO_SUFFIXES}")
     if frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"video has shape {frames.shape}; expected (F, H, W, 3)")
+        raise InvalidInputError(f"video has shape {frames.shape}; expected (F, H, W, 3)")
     if audio is not None:
         audio = _check_audio(audio, sample_rate)
         if suffix == ".gif":
@@ -328,7 +328,7 @@ class StreamingVideoWriter:
     def __init__(self, path: str | os.PathLike, fps: float = 8) -> None:
         self.path = Path(path)
         if self.path.suffix.lower() != ".mp4":
-            raise ValueError(f"streamed output {self.path} must end in .mp4 (a fragmented MP4 "
+            raise InvalidInputError(f"streamed output {self.path} must end in .mp4 (a fragmented MP4 "
                              "plays while it is written)")
         self.fps = check_fps(fps)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -367,11 +367,11 @@ class StreamingVideoWriter:
         :raises OSError: if ffmpeg stopped (its error output in the message).
         """
         if frames.ndim != 4 or frames.shape[-1] != 3:
-            raise ValueError(f"frames have shape {frames.shape}; expected (F, H, W, 3)")
+            raise InvalidInputError(f"frames have shape {frames.shape}; expected (F, H, W, 3)")
         if self.process is None:
             self._start(*frames.shape[1:3])
         elif frames.shape[1:3] != self.shape:
-            raise ValueError(f"frames are {frames.shape[1:3]}, the video is {self.shape}")
+            raise InvalidInputError(f"frames are {frames.shape[1:3]}, the video is {self.shape}")
         try:
             self.process.stdin.write(to_uint8(frames).tobytes())
         except OSError as exc:
@@ -392,7 +392,7 @@ class StreamingVideoWriter:
         """
         try:
             if self.process is None:
-                raise ValueError(f"no frames were written to {self.path}")
+                raise InvalidInputError(f"no frames were written to {self.path}")
             self.process.stdin.close()
             if self.process.wait() != 0:
                 raise OSError(f"ffmpeg failed writing {self.path}: {self._stderr()}")
@@ -425,10 +425,10 @@ class StreamingVideoWriter:
 def _check_audio(audio: np.ndarray, sample_rate: int | None) -> np.ndarray:
     audio = np.asarray(audio, dtype=np.float32)
     if audio.ndim != 2 or audio.shape[0] not in (1, 2) or audio.shape[1] == 0:
-        raise ValueError(f"audio has shape {audio.shape}; expected (channels, samples) with 1 or "
+        raise InvalidInputError(f"audio has shape {audio.shape}; expected (channels, samples) with 1 or "
                          "2 channels")
     if not isinstance(sample_rate, int) or sample_rate <= 0:
-        raise ValueError(f"sample_rate={sample_rate!r} must be a positive number of samples per "
+        raise InvalidInputError(f"sample_rate={sample_rate!r} must be a positive number of samples per "
                          "second")
     return np.ascontiguousarray(np.clip(audio, -1.0, 1.0))
 
@@ -463,7 +463,7 @@ def write_audio(path: str | os.PathLike, audio: np.ndarray, sample_rate: int) ->
     """
     path = Path(path)
     if path.suffix.lower() not in AUDIO_SUFFIXES:
-        raise ValueError(f"audio output {path} must end in .wav")
+        raise InvalidInputError(f"audio output {path} must end in .wav")
     audio = _check_audio(audio, sample_rate)
     pcm = np.round(audio.T * 32767.0).astype("<i2")  # interleaved (samples, channels)
     with atomic_path(path) as tmp:
@@ -489,16 +489,16 @@ def write_output(path: str | os.PathLike, frames: np.ndarray | None, fps: float 
     suffix = Path(path).suffix.lower()
     if suffix in AUDIO_SUFFIXES:
         if audio is None:
-            raise ValueError(f"{path}: this output has no sound to write; use .png, .mp4 or .gif")
+            raise InvalidInputError(f"{path}: this output has no sound to write; use .png, .mp4 or .gif")
         return write_audio(path, audio, sample_rate)
     if suffix in IMAGE_SUFFIXES:
         if frames.ndim == 4:
             if frames.shape[0] != 1:
-                raise ValueError(f"{path}: a PNG holds one frame, got {frames.shape[0]}; "
+                raise InvalidInputError(f"{path}: a PNG holds one frame, got {frames.shape[0]}; "
                                  f"use .mp4 or .gif for video")
             frames = frames[0]
         return write_image(path, frames)
     if suffix in VIDEO_SUFFIXES:
         return write_video(path, frames if frames.ndim == 4 else frames[None], fps=fps,
                            audio=audio, sample_rate=sample_rate)
-    raise ValueError(f"output {path}: unsupported suffix {suffix!r}; use .png, .mp4, .gif or .wav")
+    raise InvalidInputError(f"output {path}: unsupported suffix {suffix!r}; use .png, .mp4, .gif or .wav")

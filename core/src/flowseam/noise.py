@@ -4,6 +4,7 @@ share. It sits below both so neither imports the other for it."""
 from __future__ import annotations
 
 import torch
+from .errors import InvalidInputError
 
 
 def draw_noise(shape: tuple[int, ...], generators: list[torch.Generator],
@@ -14,7 +15,7 @@ def draw_noise(shape: tuple[int, ...], generators: list[torch.Generator],
     :raises ValueError: if the number of generators is not B.
     """
     if len(generators) != shape[0]:
-        raise ValueError(f"{len(generators)} generators for a batch of {shape[0]}")
+        raise InvalidInputError(f"{len(generators)} generators for a batch of {shape[0]}")
     rows = [torch.randn((1, *shape[1:]), generator=g, dtype=dtype) for g in generators]
     return torch.cat(rows, dim=0)
 

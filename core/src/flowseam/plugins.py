@@ -31,7 +31,7 @@ import pluggy
 
 from . import hookspecs, ops
 from .declarations import Availability, BackendInfo, KernelRegistration
-from .errors import PluginLoadError
+from .errors import InvalidInputError, PluginLoadError
 from .isolation import patch_watch, plugin_timeout, run_plugin_code
 
 ENTRY_POINT_GROUP = "flowseam.plugins"
@@ -239,22 +239,22 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
             raise TypeError(f"flowseam_register_kernels() yielded {k!r}; "
                             "expected flowseam.KernelRegistration")
         if k.op not in ops.ALL_OPS:
-            raise ValueError(f"kernel for unknown op {k.op!r}; known ops are {list(ops.ALL_OPS)}")
+            raise InvalidInputError(f"kernel for unknown op {k.op!r}; known ops are {list(ops.ALL_OPS)}")
         if (k.op, k.arch) in seen:
-            raise ValueError(f"plugin registers op {k.op!r} at arch {k.arch!r} twice")
+            raise InvalidInputError(f"plugin registers op {k.op!r} at arch {k.arch!r} twice")
         seen.add((k.op, k.arch))
     if kernels and backend is None:
-        raise ValueError("plugin registers kernels but declares no backend (flowseam_backend)")
+        raise InvalidInputError("plugin registers kernels but declares no backend (flowseam_backend)")
     rec.kernels = kernels
 
     kinds = tuple(_names(reg.call(rec, "flowseam_component_kinds"), "flowseam_component_kinds"))
     if kinds and backend is None:
-        raise ValueError("plugin declares component kinds but no backend (flowseam_backend)")
+        raise InvalidInputError("plugin declares component kinds but no backend (flowseam_backend)")
     rec.component_kinds = kinds
     classes = _names(reg.call(rec, "flowseam_component_classes"), "flowseam_component_classes")
     bad = [c for c in classes if len(c.split(".")) < 2 or not all(p.isidentifier() for p in c.split("."))]
     if bad:
-        raise ValueError(f"flowseam_component_classes() returned {bad!r}; expected dotted class "
+        raise InvalidInputError(f"flowseam_component_classes() returned {bad!r}; expected dotted class "
                          "paths such as 'flowseam_myvendor.models.MyDiT'")
     rec.component_classes = tuple(classes)
     rec.methods = _named_mapping(reg.call(rec, "flowseam_training_methods"), "flowseam_training_methods")
@@ -286,7 +286,7 @@ def _arch_chain(result: Any) -> tuple[str, ...]:
     if "generic" not in chain:
         chain.append("generic")
     elif chain[-1] != "generic":
-        raise ValueError(f"flowseam_arch_chain() returned {chain!r}; 'generic' must come last")
+        raise InvalidInputError(f"flowseam_arch_chain() returned {chain!r}; 'generic' must come last")
     return tuple(chain)
 
 
@@ -314,7 +314,7 @@ def env_switch(var: str, default: bool) -> bool:
     if not value:
         return default
     if value not in SWITCH_ON + SWITCH_OFF:
-        raise ValueError(f"{var}={raw!r} is not a switch: use one of {', '.join(SWITCH_ON)} (on) "
+        raise InvalidInputError(f"{var}={raw!r} is not a switch: use one of {', '.join(SWITCH_ON)} (on) "
                          f"or {', '.join(SWITCH_OFF)} (off)")
     return value in SWITCH_ON
 

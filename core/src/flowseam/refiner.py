@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .components import ComponentSpec
-from .errors import FlowseamError
+from .errors import FlowseamError, InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .platform import Platform
@@ -258,7 +258,7 @@ class PromptRefiner:
         from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
         if len(seeds) != len(prompts):
-            raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one each")
+            raise InvalidInputError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one each")
         s = sampling or self.sampling
         tok = self.tokenizer
         ids, mask = self.encode(prompts)

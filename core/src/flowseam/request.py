@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidParameterError
+from .errors import InvalidInputError, InvalidParameterError
 
 
 class TaskType(str, enum.Enum):
@@ -243,7 +243,7 @@ class DiffusionParams:
         """
         for name in CARD_SPECIFIC:
             if getattr(self, name) is not None and name not in defaults:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not a parameter of this model "
+                raise InvalidInputError(f"{name}={getattr(self, name)!r} is not a parameter of this model "
                                  "(it applies to LTX-2 checkpoints); leave it unset")
         filled = {k: v for k, v in defaults.items()
                   if k in self.__dataclass_fields__ and getattr(self, k) is None}
@@ -291,7 +291,7 @@ class GenerationRequest:
                     f"the generator's maximum {MAX_SEED}")
             return [base + i for i in range(n)]
         if len(self.seeds) != n:
-            raise ValueError(f"seeds has {len(self.seeds)} entries for {n} prompts; give one each")
+            raise InvalidInputError(f"seeds has {len(self.seeds)} entries for {n} prompts; give one each")
         return [_check_number("seeds[]", s, int, 0, MAX_SEED) for s in self.seeds]
 
 
@@ -304,7 +304,7 @@ def check_common(params: DiffusionParams, request: GenerationRequest | None = No
     if request is not None:
         prompts = request.prompts
         if not prompts or any(not isinstance(p, str) for p in prompts):
-            raise ValueError(f"prompt={request.prompt!r} must be a string or a non-empty list of strings")
+            raise InvalidInputError(f"prompt={request.prompt!r} must be a string or a non-empty list of strings")
         batch = len(prompts)
         request.sample_seeds(params)  # every seed in the generator's range
     for name in ("num_steps", "height", "width"):
@@ -324,7 +324,7 @@ def check_no_causal(params: DiffusionParams, card: str) -> None:
     if not params.kv_cache:
         given.append("kv_cache=False")
     if given:
-        raise ValueError(f"{', '.join(given)}: {card} does not generate in chunks; these "
+        raise InvalidInputError(f"{', '.join(given)}: {card} does not generate in chunks; these "
                          "parameters are for a causal checkpoint (the wan_causal loop)")
 
 
@@ -332,7 +332,7 @@ def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
     """Raise ValueError if ``value`` is not a multiple of ``multiple``, suggesting neighbours."""
     if value % multiple:
         lo = max(multiple, value // multiple * multiple)
-        raise ValueError(f"{name}={value} is not divisible by {multiple} ({why}); "
+        raise InvalidInputError(f"{name}={value} is not divisible by {multiple} ({why}); "
                          f"try {lo} or {lo + multiple}")
 
 
@@ -342,6 +342,6 @@ def check_frames(num_frames: Any, factor: int, why: str) -> None:
     if not isinstance(num_frames, int) or num_frames < 1 or num_frames % factor != 1 % factor:
         n = num_frames if isinstance(num_frames, int) else 1
         below = max(1, (n - 1) // factor * factor + 1)
-        raise ValueError(
+        raise InvalidInputError(
             f"num_frames={num_frames!r} is not of the form {factor}k+1 ({why} compresses time by "
             f"{factor}); try {below} or {below + factor}")

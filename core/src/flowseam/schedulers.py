@@ -86,7 +86,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from . import ops
-from .errors import FlowseamError
+from .errors import FlowseamError, InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -253,7 +253,7 @@ class SolverConfig:
         import torch
 
         if self.dynamic_shifting and mu is None:
-            raise ValueError(f"{self.file}: use_dynamic_shifting=True needs a resolution-"
+            raise InvalidInputError(f"{self.file}: use_dynamic_shifting=True needs a resolution-"
                              "dependent mu, which this pipeline does not pass")
         scheduler = self.scheduler()
         kwargs = {"mu": mu} if mu is not None else {}

@@ -13,6 +13,7 @@ from typing import Any
 from .loops import ExecutionProfile, LoopResult, StepCallback, run_loop
 from .models.base import ModelInstance
 from .request import CARD_SPECIFIC, DiffusionParams, GenerationRequest, TaskType
+from .errors import InvalidInputError
 
 
 @dataclass
@@ -42,9 +43,9 @@ class Workflow:
 
     def __init__(self, t2i: ModelInstance, i2v: ModelInstance) -> None:
         if TaskType.T2I not in t2i.card.tasks:
-            raise ValueError(f"stage 1 of {self.name} must be text-to-image; got {t2i.card.name}")
+            raise InvalidInputError(f"stage 1 of {self.name} must be text-to-image; got {t2i.card.name}")
         if TaskType.I2V not in i2v.card.tasks:
-            raise ValueError(f"stage 2 of {self.name} must be image-to-video; got {i2v.card.name}")
+            raise InvalidInputError(f"stage 2 of {self.name} must be image-to-video; got {i2v.card.name}")
         self.t2i, self.i2v = t2i, i2v
 
     @staticmethod

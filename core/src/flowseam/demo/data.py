@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+from ..errors import InvalidInputError
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}  # (dy, dx)
@@ -29,7 +30,7 @@ def t2i_prompt(digit: int) -> str:
 
 def i2v_prompt(digit: int, direction: str) -> str:
     if direction not in DIRECTIONS:
-        raise ValueError(f"direction={direction!r}; allowed: {sorted(DIRECTIONS)}")
+        raise InvalidInputError(f"direction={direction!r}; allowed: {sorted(DIRECTIONS)}")
     return f"{t2i_prompt(digit)} moving {direction}"
 
 
@@ -90,11 +91,11 @@ def moving_clip(image8: np.ndarray, direction: str, frames: int = 9, size: int =
     """``(frames, size, size, 3)`` float32: the digit sliding ``step`` px/frame towards ``direction``,
     starting centred. Raises ValueError for an unknown direction or a digit that leaves the canvas."""
     if direction not in DIRECTIONS:
-        raise ValueError(f"direction={direction!r}; allowed: {sorted(DIRECTIONS)}")
+        raise InvalidInputError(f"direction={direction!r}; allowed: {sorted(DIRECTIONS)}")
     dy, dx = DIRECTIONS[direction]
     travel = step * (frames - 1)
     if (size - digit_size) // 2 < travel:
-        raise ValueError(f"a {digit_size}px digit moving {travel}px leaves a {size}px canvas")
+        raise InvalidInputError(f"a {digit_size}px digit moving {travel}px leaves a {size}px canvas")
     digit = upscale(image8, digit_size)
     out = np.zeros((frames, size, size), np.float32)
     y0 = x0 = (size - digit_size) // 2

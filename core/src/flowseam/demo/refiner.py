@@ -24,6 +24,7 @@ import random
 from pathlib import Path
 
 from .data import DIRECTIONS, NUMBER_WORDS, i2v_prompt, parse_prompt
+from ..errors import InvalidInputError
 
 #: loose request phrasings (``{d}``: the digit, ``{dir}``: the direction)
 REQUEST_TEMPLATES = (
@@ -114,7 +115,7 @@ def build_refiner(path: str | Path, steps: int = 400, noise: float = 0.5, seed: 
     from ..refiner import PromptRefiner, RefinerSampling
 
     if not 0.0 <= noise <= 1.0:
-        raise ValueError(f"noise={noise} must be in [0, 1]")
+        raise InvalidInputError(f"noise={noise} must be in [0, 1]")
     tok = tokenizer()
     pairs = noisy_pairs(steps * batch_size, noise, seed)
     texts = [f"{TEMPLATE.format(request=r)} {p} {tok.eos_token}" for r, p in pairs]

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..request import DiffusionParams
 from .data import i2v_prompt, parse_prompt
+from ..errors import InvalidInputError
 
 #: the demo's prompts, in order (``--prompts N`` takes the first N)
 PROMPTS = tuple(i2v_prompt(d, direction) for d, direction in (
@@ -267,7 +268,7 @@ def apply_overrides(config: dict[str, Any], items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--set {item!r} must look like key=value")
+            raise InvalidInputError(f"--set {item!r} must look like key=value")
         try:
             value = json.loads(value)
         except ValueError:

@@ -19,6 +19,7 @@ from ..request import GenerationRequest
 from . import causal, flow_match, ltx2
 from .causal import Chunk
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+from ..errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
@@ -50,7 +51,7 @@ def check_no_module_cache(model: "ModelInstance") -> None:
     """
     for name, dit in model.experts.items():
         if getattr(dit, "is_cache_enabled", False):
-            raise ValueError(
+            raise InvalidInputError(
                 f"{model.card.name}'s DiT {name!r} has diffusers' cache hooks enabled "
                 "(enable_cache); flowseam's loops do not run them: call "
                 f"model.components[{name!r}].disable_cache() and use flowseam's step cache "
@@ -78,7 +79,7 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
     try:
         loop = LOOPS[name]
     except KeyError:
-        raise ValueError(f"card {model.card.name} runs loop {name!r}; flowseam has "
+        raise InvalidInputError(f"card {model.card.name} runs loop {name!r}; flowseam has "
                          f"{sorted(LOOPS)}") from None
     extra = {} if step_callback is None else {"step_callback": step_callback}
     return loop(model, request, profile=profile, progress=progress, decode=decode, **extra)
@@ -96,7 +97,7 @@ def stream_loop(model: "ModelInstance", request: GenerationRequest,
     check_no_module_cache(model)
     name = model.card.loops[0]
     if name not in STREAMS:
-        raise ValueError(f"card {model.card.name} runs loop {name!r}, which does not stream; "
+        raise InvalidInputError(f"card {model.card.name} runs loop {name!r}, which does not stream; "
                          f"streaming loops: {sorted(STREAMS)} (a causal checkpoint)")
     return STREAMS[name](model, request, profile=profile, progress=progress, decode=decode,
                          step_callback=step_callback)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
+from ..errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -69,15 +70,15 @@ class CachePolicy:
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
-            raise ValueError(f"cache={self.name!r} is unknown; policies: {', '.join(POLICIES)}")
+            raise InvalidInputError(f"cache={self.name!r} is unknown; policies: {', '.join(POLICIES)}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
                 or not self.threshold >= 0:
-            raise ValueError(f"cache threshold={self.threshold!r} must be a number >= 0")
+            raise InvalidInputError(f"cache threshold={self.threshold!r} must be a number >= 0")
         if not isinstance(self.warmup, int) or self.warmup < 2:
-            raise ValueError(f"cache warmup={self.warmup!r} must be an integer >= 2 (two computed "
+            raise InvalidInputError(f"cache warmup={self.warmup!r} must be an integer >= 2 (two computed "
                              "steps measure the velocity's rate of change)")
         if not isinstance(self.max_skips, int) or self.max_skips < 1:
-            raise ValueError(f"cache max_skips={self.max_skips!r} must be an integer >= 1")
+            raise InvalidInputError(f"cache max_skips={self.max_skips!r} must be an integer >= 1")
 
     @classmethod
     def parse(cls, text: str) -> "CachePolicy":
@@ -85,12 +86,12 @@ class CachePolicy:
         value and what is allowed."""
         match = re.fullmatch(r"([a-z_]+):([0-9.eE+-]+)", text.strip())
         if not match:
-            raise ValueError(f"--cache {text!r} must be NAME:THRESHOLD with NAME one of "
+            raise InvalidInputError(f"--cache {text!r} must be NAME:THRESHOLD with NAME one of "
                              f"{', '.join(POLICIES)}, e.g. extrapolate:0.1")
         try:
             threshold = float(match.group(2))
         except ValueError:
-            raise ValueError(f"--cache {text!r}: threshold {match.group(2)!r} is not a "
+            raise InvalidInputError(f"--cache {text!r}: threshold {match.group(2)!r} is not a "
                              "number") from None
         return cls(match.group(1), threshold)
 
@@ -108,10 +109,10 @@ def normalize_cache(value) -> CachePolicy | None:
     if isinstance(value, dict) and "name" in value and "threshold" in value:
         unknown = set(value) - set(CachePolicy.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"cache has unknown keys {sorted(unknown)}; allowed: "
+            raise InvalidInputError(f"cache has unknown keys {sorted(unknown)}; allowed: "
                              f"{sorted(CachePolicy.__dataclass_fields__)}")
         return CachePolicy(**value)
-    raise ValueError(f"cache={value!r}: give 'NAME:THRESHOLD' or {{'name': ..., 'threshold': ...}}")
+    raise InvalidInputError(f"cache={value!r}: give 'NAME:THRESHOLD' or {{'name': ..., 'threshold': ...}}")
 
 
 def check_cache(policy: CachePolicy | None, capture: bool) -> None:
@@ -121,7 +122,7 @@ def check_cache(policy: CachePolicy | None, capture: bool) -> None:
     :raises ValueError: naming the policy and how to allow it.
     """
     if policy is not None and capture and not policy.in_rollouts:
-        raise ValueError(f"cache={policy} in an RL rollout: predicted velocities would make the "
+        raise InvalidInputError(f"cache={policy} in an RL rollout: predicted velocities would make the "
                          "recorded log-probs those of a cached model, not of the model that is "
                          "trained; drop the cache, or pass CachePolicy(..., in_rollouts=True) "
                          "to ask for it (its records then say so)")

@@ -10,6 +10,7 @@ from .flux import FLUX_T2I, FluxT2I
 from .ltx2 import LTX2_I2V, LTX2_T2V, LTX2I2V, LTX2T2V
 from .wan import WAN22_I2V, WAN22_T2V, WAN_I2V, WAN_T2V, WanI2V, WanT2V
 from .wan_causal import WAN_CAUSAL_T2V, WanCausalT2V
+from ..errors import InvalidInputError
 
 #: card name → card
 CARDS: dict[str, ModelCard] = {c.name: c for c in (WAN_T2V, WAN_I2V, WAN22_T2V, WAN22_I2V,
@@ -34,13 +35,13 @@ def card_for_index(index: dict[str, Any], source: str = "model_index.json") -> M
     cls = index.get("_class_name")
     if "_flowseam_causal" in index:
         if cls != WAN_CAUSAL_T2V.pipeline_class:
-            raise ValueError(f"{source}: _flowseam_causal is for WanPipeline checkpoints, not "
+            raise InvalidInputError(f"{source}: _flowseam_causal is for WanPipeline checkpoints, not "
                              f"_class_name={cls!r}")
         return WAN_CAUSAL_T2V
     matches = [c for c in CARDS.values() if c.pipeline_class == cls and c is not WAN_CAUSAL_T2V]
     if not matches:
         known = sorted({c.pipeline_class for c in CARDS.values()})
-        raise ValueError(f"{source}: _class_name={cls!r} has no flowseam model card; known "
+        raise InvalidInputError(f"{source}: _class_name={cls!r} has no flowseam model card; known "
                          f"pipeline classes: {known} (and WanPipeline with _flowseam_causal: "
                          f"{WAN_CAUSAL_T2V.name})")
     two = declared(index, "transformer_2") or index.get("boundary_ratio") is not None

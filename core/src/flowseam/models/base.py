@@ -30,6 +30,7 @@ from ..components import compute_dtype
 from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents with it)
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
+from ..errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..adapters import AdapterSet
@@ -282,10 +283,10 @@ class ModelInstance:
     def check_experts(self, params: DiffusionParams) -> None:
         """``guidance_scale_2`` only for a two-expert model (diffusers raises likewise)."""
         if params.guidance_scale_2 is not None and self.boundary_timestep is None:
-            raise ValueError(f"guidance_scale_2={params.guidance_scale_2!r} is for two-expert "
+            raise InvalidInputError(f"guidance_scale_2={params.guidance_scale_2!r} is for two-expert "
                              f"(Wan2.2) models; {self.card.name} has one DiT")
         if params.guidance_scale_2 is not None and params.guidance_scale_2 < 0:
-            raise ValueError(f"guidance_scale_2={params.guidance_scale_2!r} must be >= 0")
+            raise InvalidInputError(f"guidance_scale_2={params.guidance_scale_2!r} must be >= 0")
 
     # -- the public API --------------------------------------------------------------------
     def generate(self, prompt: str | list[str], *, image: Any = None,
@@ -419,7 +420,7 @@ class ModelInstance:
         """
         if TaskType.I2V in self.card.tasks:
             if request.image is None:
-                raise ValueError(f"{self.card.name} is image-to-video: pass image= (a PIL image, "
+                raise InvalidInputError(f"{self.card.name} is image-to-video: pass image= (a PIL image, "
                                  "a path, or an (H, W, 3) float array in [0, 1])")
             from ..media import read_image
 
@@ -428,21 +429,21 @@ class ModelInstance:
                 return
             n = len(request.prompts)
             if not self.IMAGE_PER_SAMPLE:
-                raise ValueError(f"{self.card.name} takes one image per request; got a list of "
+                raise InvalidInputError(f"{self.card.name} takes one image per request; got a list of "
                                  f"{len(request.image)} images (run one request per image)")
             if len(request.image) != n:
-                raise ValueError(f"image is a list of {len(request.image)} images for {n} "
+                raise InvalidInputError(f"image is a list of {len(request.image)} images for {n} "
                                  "prompt(s); give one image per prompt, or one image for all")
             images = []
             for k, image in enumerate(request.image):
                 try:
                     images.append(read_image(image))
                 except ValueError as e:
-                    raise ValueError(f"image[{k}]: {e}") from None
+                    raise InvalidInputError(f"image[{k}]: {e}") from None
             request.image = images
         elif request.image is not None:
             what = {TaskType.T2V: "text-to-video", TaskType.T2I: "text-to-image"}[self.card.task]
-            raise ValueError(f"{self.card.name} is {what} and takes no image; use an "
+            raise InvalidInputError(f"{self.card.name} is {what} and takes no image; use an "
                              "image-to-video checkpoint (wan2.1-i2v, ltx2-i2v)")
 
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
@@ -493,7 +494,7 @@ class ModelInstance:
         name = self.expert_at(timestep) if expert is None else expert
         experts = self.experts
         if name not in experts:
-            raise ValueError(f"expert={name!r}: {self.card.name} has experts {sorted(experts)}")
+            raise InvalidInputError(f"expert={name!r}: {self.card.name} has experts {sorted(experts)}")
         return name, experts[name] if dit is None else dit
 
     def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:
@@ -520,7 +521,7 @@ class ModelInstance:
         :raises ValueError: for an empty list.
         """
         if not conds:
-            raise ValueError("stack_conditions needs at least one Conditioning")
+            raise InvalidInputError("stack_conditions needs at least one Conditioning")
         first = conds[0]
         cat = lambda xs: torch.cat(xs, dim=0) if xs[0] is not None else None  # noqa: E731
         extra: dict[str, Any] = {}

@@ -34,6 +34,7 @@ from .base import (
     frames_to_pixels,
     postprocess,
 )
+from ..errors import InvalidInputError
 
 
 class FluxT2I(ModelInstance):
@@ -56,15 +57,15 @@ class FluxT2I(ModelInstance):
             check_multiple(name, getattr(params, name), multiple,
                            f"VAE factor {self.vae_scale_factor} x 2x2 latent packing")
         if params.num_frames not in (None, 1):
-            raise ValueError(f"num_frames={params.num_frames!r}: {self.card.name} makes images; "
+            raise InvalidInputError(f"num_frames={params.num_frames!r}: {self.card.name} makes images; "
                              "leave it unset or 1")
         if params.negative_prompt is not None:
-            raise ValueError("negative_prompt is not supported by flux.1-t2i: FLUX.1-dev is guidance-"
+            raise InvalidInputError("negative_prompt is not supported by flux.1-t2i: FLUX.1-dev is guidance-"
                              "distilled (guidance_scale is embedded, there is no unconditional pass)")
         if params.max_sequence_length > 512:
-            raise ValueError(f"max_sequence_length={params.max_sequence_length} must be <= 512")
+            raise InvalidInputError(f"max_sequence_length={params.max_sequence_length} must be <= 512")
         if request.image is not None:
-            raise ValueError(f"{self.card.name} is text-to-image and takes no image")
+            raise InvalidInputError(f"{self.card.name} is text-to-image and takes no image")
         return params.replace(num_frames=1)
 
     # -- 2. encode ------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from .base import (
     frames_to_pixels,
     postprocess,
 )
+from ..errors import InvalidInputError
 
 
 def clean_prompt(text: str) -> str:
@@ -235,7 +236,7 @@ class WanI2V(WanT2V):
         params = super().check(request)
         split = [n for n, m in self.experts.items() if m.config.added_kv_proj_dim is not None]
         if split and params.max_sequence_length != 512:
-            raise ValueError(
+            raise InvalidInputError(
                 f"max_sequence_length={params.max_sequence_length} must be 512 for this "
                 f"checkpoint: its {' and '.join(split)} has image cross-attention projections "
                 "(added_kv_proj_dim), and diffusers' WanAttnProcessor splits image from text "

@@ -138,6 +138,7 @@ from __future__ import annotations
 
 import math
 from typing import Any, NamedTuple
+from ..errors import InvalidInputError
 
 FLOW_MATCH_STEP = "flow_match_step"
 FLOW_SDE_STEP = "flow_sde_step"
@@ -226,33 +227,33 @@ def check_sigmas(sigma: float, sigma_next: float, *, sde: bool, sigma_max: float
                  noise_level: float = 0.7) -> None:
     """Validate the scalar arguments of a flow step. Raises ValueError naming the bad value."""
     if not (0.0 <= sigma <= 1.0) or math.isnan(sigma):
-        raise ValueError(f"sigma={sigma!r} is outside [0, 1]")
+        raise InvalidInputError(f"sigma={sigma!r} is outside [0, 1]")
     if not (0.0 <= sigma_next <= 1.0) or math.isnan(sigma_next):
-        raise ValueError(f"sigma_next={sigma_next!r} is outside [0, 1]")
+        raise InvalidInputError(f"sigma_next={sigma_next!r} is outside [0, 1]")
     if sigma_next > sigma:
-        raise ValueError(
+        raise InvalidInputError(
             f"sigma_next={sigma_next!r} > sigma={sigma!r}: flow-matching steps go from noise "
             "(sigma=1) towards data (sigma=0), so sigma_next must be <= sigma")
     if not sde:
         return
     if sigma_next == sigma:
-        raise ValueError(
+        raise InvalidInputError(
             f"sigma_next == sigma == {sigma!r}: the SDE step needs sigma_next < sigma "
             "(its std is std_dev_t * sqrt(sigma - sigma_next))")
     if not (0.0 <= noise_level < math.inf):
-        raise ValueError(f"noise_level={noise_level!r} must be finite and >= 0 (it scales the "
+        raise InvalidInputError(f"noise_level={noise_level!r} must be finite and >= 0 (it scales the "
                          "SDE step's std; 0 makes the step deterministic)")
     if noise_level == 0.0:
         return  # the deterministic step: no std, no sigma_max needed (see FLOW_SDE_STEP)
     if sigma == 1.0:
         if sigma_max is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "sigma=1.0 needs sigma_max (the largest sigma < 1 of the schedule, Flow-GRPO's "
                 "sigmas[1]): std_dev_t = noise_level*sqrt(sigma/(1 - sigma)) is infinite at 1")
         if not (0.0 < sigma_max < 1.0):
-            raise ValueError(f"sigma_max={sigma_max!r} must be in (0, 1)")
+            raise InvalidInputError(f"sigma_max={sigma_max!r} must be in (0, 1)")
     if sde_std_dev_t(sigma, noise_level, sigma_max) * math.sqrt(sigma - sigma_next) < 1e-30:
-        raise ValueError(f"sigma={sigma!r}, sigma_next={sigma_next!r}: the SDE step's std "
+        raise InvalidInputError(f"sigma={sigma!r}, sigma_next={sigma_next!r}: the SDE step's std "
                          "underflows to 0; its log-density is undefined")
 
 
@@ -262,17 +263,17 @@ def as_sigma(value: Any, name: str = "sigma") -> float:
     :raises ValueError: for strings, booleans or tensors with more than one element.
     """
     if isinstance(value, (str, bytes, bool)):
-        raise ValueError(f"{name}={value!r} must be a number in [0, 1]")
+        raise InvalidInputError(f"{name}={value!r} must be a number in [0, 1]")
     shape = tuple(getattr(value, "shape", ()))
     if shape and math.prod(shape) > 1:
-        raise ValueError(
+        raise InvalidInputError(
             f"{name} has shape {shape}: flow steps take one scalar {name} for the whole batch "
             "(flowseam's loops step every row on one schedule, and its trainers recompute one "
             "BehaviorRecord at a time); group the rows by sigma and call the step once per group")
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name}={value!r} must be a number in [0, 1] (a float or a "
+        raise InvalidInputError(f"{name}={value!r} must be a number in [0, 1] (a float or a "
                          "one-element tensor)") from None
 
 
@@ -283,24 +284,24 @@ def check_step_tensors(x: Any, v: Any, noise: Any = None, prev_sample: Any = Non
     xs = _shape(x)
     for name, t in (("x", x), ("v", v), ("noise", noise), ("prev_sample", prev_sample)):
         if t is not None and not _is_float(t):
-            raise ValueError(f"{name} has dtype {t.dtype}; flow steps need floating-point tensors")
+            raise InvalidInputError(f"{name} has dtype {t.dtype}; flow steps need floating-point tensors")
     if len(xs) < 1:
-        raise ValueError(f"x has shape {xs}; a flow step needs at least a batch dimension (B, ...)")
+        raise InvalidInputError(f"x has shape {xs}; a flow step needs at least a batch dimension (B, ...)")
     if 0 in xs:
-        raise ValueError(f"x has shape {xs}; a flow step needs a non-empty tensor (no size-0 "
+        raise InvalidInputError(f"x has shape {xs}; a flow step needs a non-empty tensor (no size-0 "
                          "dimension)")
     for name, t in (("v", v), ("noise", noise), ("prev_sample", prev_sample)):
         if t is not None and _shape(t) != xs:
-            raise ValueError(f"{name} has shape {_shape(t)} but x has shape {xs}; they must match")
+            raise InvalidInputError(f"{name} has shape {_shape(t)} but x has shape {xs}; they must match")
 
 
 def check_attention(q: Any, k: Any, v: Any) -> None:
     """Validate attention shapes: (B, heads, seq, dim) with matching batch/heads/dims."""
     qs, ks, vs = _shape(q), _shape(k), _shape(v)
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
-        raise ValueError(f"attention expects 4-d (B, heads, seq, dim) q/k/v, got {qs}, {ks}, {vs}")
+        raise InvalidInputError(f"attention expects 4-d (B, heads, seq, dim) q/k/v, got {qs}, {ks}, {vs}")
     if ks[:2] != qs[:2] or vs[:2] != qs[:2] or ks[2] != vs[2] or ks[3] != qs[3]:
-        raise ValueError(
+        raise InvalidInputError(
             f"attention shapes do not match: q={qs}, k={ks}, v={vs}; need q (B,H,Lq,D), "
             "k (B,H,Lk,D), v (B,H,Lk,Dv)")
 
@@ -310,13 +311,13 @@ def check_cached_attention(q: Any, k: Any, v: Any, cache_k: Any, cache_v: Any) -
     and (B, heads, Lc, Dv), both given or both None. Raises ValueError naming the shapes."""
     check_attention(q, k, v)
     if (cache_k is None) != (cache_v is None):
-        raise ValueError("cache_k and cache_v must be given together (or both None)")
+        raise InvalidInputError("cache_k and cache_v must be given together (or both None)")
     if cache_k is None:
         return
     ks, vs, cks, cvs = _shape(k), _shape(v), _shape(cache_k), _shape(cache_v)
     if len(cks) != 4 or len(cvs) != 4 or cks[:2] != ks[:2] or cvs[:2] != vs[:2] \
             or cks[3] != ks[3] or cvs[3] != vs[3] or cks[2] != cvs[2]:
-        raise ValueError(
+        raise InvalidInputError(
             f"cached attention shapes do not match: k={ks}, v={vs}, cache_k={cks}, "
             f"cache_v={cvs}; need cache_k (B,H,Lc,D) and cache_v (B,H,Lc,Dv) like k and v")
 
@@ -325,15 +326,15 @@ def check_renoise(x0: Any, noise: Any, sigma: float) -> None:
     """Validate the re-noising op's arguments. Raises ValueError naming the bad value."""
     for name, t in (("x0", x0), ("noise", noise)):
         if not _is_float(t):
-            raise ValueError(f"{name} has dtype {t.dtype}; re-noising needs floating-point tensors")
+            raise InvalidInputError(f"{name} has dtype {t.dtype}; re-noising needs floating-point tensors")
     if _shape(noise) != _shape(x0):
-        raise ValueError(f"noise has shape {_shape(noise)} but x0 has shape {_shape(x0)}; "
+        raise InvalidInputError(f"noise has shape {_shape(noise)} but x0 has shape {_shape(x0)}; "
                          "they must match")
     if 0 in _shape(x0):
-        raise ValueError(f"x0 has shape {_shape(x0)}; re-noising needs a non-empty tensor (no "
+        raise InvalidInputError(f"x0 has shape {_shape(x0)}; re-noising needs a non-empty tensor (no "
                          "size-0 dimension)")
     if not (0.0 <= sigma <= 1.0) or math.isnan(sigma):
-        raise ValueError(f"sigma={sigma!r} is outside [0, 1]")
+        raise InvalidInputError(f"sigma={sigma!r} is outside [0, 1]")
 
 
 def check_unipc(sigma: float, sigma_next: float, state: "UniPCState", *, order: Any,
@@ -344,34 +345,34 @@ def check_unipc(sigma: float, sigma_next: float, state: "UniPCState", *, order: 
     :raises ValueError: naming the bad value and what is allowed.
     """
     if not isinstance(state, UniPCState):
-        raise ValueError(f"state={type(state).__name__} must be a flowseam.ops.UniPCState "
+        raise InvalidInputError(f"state={type(state).__name__} must be a flowseam.ops.UniPCState "
                          "(UniPCState.empty() before the first step)")
     if not (0.0 < sigma < 1.0):
-        raise ValueError(f"sigma={sigma!r}: UniPC needs 0 < sigma < 1 (its log-SNR "
+        raise InvalidInputError(f"sigma={sigma!r}: UniPC needs 0 < sigma < 1 (its log-SNR "
                          "log((1 - sigma) / sigma) is infinite at 0 and 1; diffusers' schedule "
                          "starts at 1 - 1e-6)")
     if not (0.0 <= sigma_next <= sigma):
-        raise ValueError(f"sigma_next={sigma_next!r} must be in [0, sigma={sigma!r}]")
+        raise InvalidInputError(f"sigma_next={sigma_next!r} must be in [0, sigma={sigma!r}]")
     if solver_type not in ("bh1", "bh2"):
-        raise ValueError(f"solver_type={solver_type!r} is not a UniPC B(h) variant; use 'bh1' "
+        raise InvalidInputError(f"solver_type={solver_type!r} is not a UniPC B(h) variant; use 'bh1' "
                          "or 'bh2'")
     if isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= UNIPC_MAX_ORDER:
-        raise ValueError(f"order={order!r} must be an integer in 1..{UNIPC_MAX_ORDER}")
+        raise InvalidInputError(f"order={order!r} must be an integer in 1..{UNIPC_MAX_ORDER}")
     if len(state.sigmas) != len(state.outputs):
-        raise ValueError(f"state has {len(state.sigmas)} sigmas but {len(state.outputs)} outputs")
+        raise InvalidInputError(f"state has {len(state.sigmas)} sigmas but {len(state.outputs)} outputs")
     if order > len(state.outputs) + 1:
-        raise ValueError(f"order={order} needs {order - 1} earlier model outputs; the state has "
+        raise InvalidInputError(f"order={order} needs {order - 1} earlier model outputs; the state has "
                          f"{len(state.outputs)} (warm up with lower orders, see unipc_order)")
     if sigma_next == 0.0 and order != 1:
-        raise ValueError(f"order={order} at sigma_next=0: the log-SNR is infinite there and only "
+        raise InvalidInputError(f"order={order} at sigma_next=0: the log-SNR is infinite there and only "
                          "order 1 is defined (diffusers lowers the final order with "
                          "lower_order_final=True)")
     history = list(state.sigmas) + [sigma]
     if any(not (a > b) for a, b in zip(history, history[1:])):
-        raise ValueError(f"state.sigmas={tuple(state.sigmas)} must decrease strictly and stay "
+        raise InvalidInputError(f"state.sigmas={tuple(state.sigmas)} must decrease strictly and stay "
                          f"above sigma={sigma!r}")
     if state.last_sample is not None and not 1 <= state.last_order <= len(state.outputs):
-        raise ValueError(f"state.last_order={state.last_order!r} must be in "
+        raise InvalidInputError(f"state.last_order={state.last_order!r} must be in "
                          f"1..{len(state.outputs)} (the outputs the corrector uses)")
     if shape is not None:
         tensors = [("state.outputs", t) for t in state.outputs]
@@ -379,7 +380,7 @@ def check_unipc(sigma: float, sigma_next: float, state: "UniPCState", *, order: 
             tensors.append(("state.last_sample", state.last_sample))
         for name, t in tensors:
             if _shape(t) != tuple(shape):
-                raise ValueError(f"{name} has shape {_shape(t)} but x has shape {tuple(shape)}")
+                raise InvalidInputError(f"{name} has shape {_shape(t)} but x has shape {tuple(shape)}")
 
 
 class UniPCCoefficients(NamedTuple):

@@ -14,6 +14,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ..errors import InvalidInputError
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 #: the largest width or height a request may ask for, in pixels
@@ -29,10 +30,10 @@ def parse_size(size: str) -> tuple[int, int]:
     """
     match = SIZE_PATTERN.match(size)
     if not match:
-        raise ValueError(f"size={size!r} must look like WIDTHxHEIGHT in pixels, e.g. '512x512'")
+        raise InvalidInputError(f"size={size!r} must look like WIDTHxHEIGHT in pixels, e.g. '512x512'")
     width, height = int(match.group(1)), int(match.group(2))
     if width > MAX_SIDE or height > MAX_SIDE:
-        raise ValueError(f"size={size!r}: width and height must be <= {MAX_SIDE} pixels")
+        raise InvalidInputError(f"size={size!r}: width and height must be <= {MAX_SIDE} pixels")
     return width, height
 
 
@@ -213,14 +214,14 @@ def form_to_dict(items: list[tuple[str, Any]]) -> dict[str, Any]:
     for key, value in items:
         match = _KEY.match(key)
         if not match:
-            raise ValueError(f"form field {key!r} is not a valid field name")
+            raise InvalidInputError(f"form field {key!r} is not a valid field name")
         parts = [match.group(1)] + re.findall(r"\[([^\[\]]*)\]", match.group(2))
         node: Any = out
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             if part == "":  # a[]: append
                 if not isinstance(node, list):
-                    raise ValueError(f"form field {key!r} mixes list and object forms")
+                    raise InvalidInputError(f"form field {key!r} mixes list and object forms")
                 if last:
                     node.append(value)
                     break
@@ -228,10 +229,10 @@ def form_to_dict(items: list[tuple[str, Any]]) -> dict[str, Any]:
                 node = node[-1]
                 continue
             if not isinstance(node, dict):
-                raise ValueError(f"form field {key!r} mixes list and object forms")
+                raise InvalidInputError(f"form field {key!r} mixes list and object forms")
             if last:
                 if part in node:
-                    raise ValueError(f"form field {key!r} given twice")
+                    raise InvalidInputError(f"form field {key!r} given twice")
                 node[part] = value
             else:
                 nxt = parts[i + 1]

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import FlowseamError
+from ..errors import FlowseamError, InvalidInputError
 
 
 @dataclass
@@ -54,34 +54,34 @@ def check_options(opts: ServeOptions) -> list[str]:
     from ..workflows import WORKFLOWS
 
     if not 0 <= opts.port <= 65535:
-        raise ValueError(f"--port={opts.port} must be in [0, 65535] (0: any free port)")
+        raise InvalidInputError(f"--port={opts.port} must be in [0, 65535] (0: any free port)")
     for name, value, low in (("max-queue", opts.max_queue, 1), ("max-batch", opts.max_batch, 1)):
         if value < low:
-            raise ValueError(f"--{name}={value} must be >= {low}")
+            raise InvalidInputError(f"--{name}={value} must be >= {low}")
     if not opts.expire_after > 0:
-        raise ValueError(f"--expire-after={opts.expire_after} must be > 0 seconds")
+        raise InvalidInputError(f"--expire-after={opts.expire_after} must be > 0 seconds")
     if not opts.max_upload_mb > 0:
-        raise ValueError(f"--max-upload-mb={opts.max_upload_mb} must be > 0")
+        raise InvalidInputError(f"--max-upload-mb={opts.max_upload_mb} must be > 0")
     if opts.threads is not None and opts.threads < 1:
-        raise ValueError(f"--threads={opts.threads} must be >= 1")
+        raise InvalidInputError(f"--threads={opts.threads} must be >= 1")
     if opts.api_key is not None and not opts.api_key.strip():
-        raise ValueError("--api-key is empty")
+        raise InvalidInputError("--api-key is empty")
     if opts.log_level not in ("critical", "error", "warning", "info", "debug"):
-        raise ValueError(f"--log-level={opts.log_level!r}: use critical, error, warning, info or "
+        raise InvalidInputError(f"--log-level={opts.log_level!r}: use critical, error, warning, info or "
                          "debug")
     if opts.workflow is not None:
         if opts.workflow not in WORKFLOWS:
-            raise ValueError(f"--workflow {opts.workflow!r} is unknown; available: "
+            raise InvalidInputError(f"--workflow {opts.workflow!r} is unknown; available: "
                              f"{sorted(WORKFLOWS)}")
     if len(opts.backends) > 1 and len(opts.backends) != len(opts.models):
-        raise ValueError(f"--backend given {len(opts.backends)} times; give it once, or once per "
+        raise InvalidInputError(f"--backend given {len(opts.backends)} times; give it once, or once per "
                          f"--model ({len(opts.models)})")
     ids = [model_id(m) for m in opts.models]
     if opts.workflow is not None:
         ids.append(opts.workflow)
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
-        raise ValueError(f"two --model checkpoints would be served as {dupes[0]!r}: each is "
+        raise InvalidInputError(f"two --model checkpoints would be served as {dupes[0]!r}: each is "
                          "served under its directory's name; rename one directory")
     for path in opts.models:
         local = Path(path).expanduser()
@@ -92,7 +92,7 @@ def check_options(opts: ServeOptions) -> list[str]:
     if opts.workflow is not None:
         tasks = [_local_task(m) for m in opts.models]
         if None not in tasks and not {"t2i", "i2v"} <= set(tasks):
-            raise ValueError(f"--workflow {opts.workflow} needs a text-to-image and an image-to-"
+            raise InvalidInputError(f"--workflow {opts.workflow} needs a text-to-image and an image-to-"
                              f"video --model; the checkpoints given make {tasks}")
     out = Path(opts.output_dir)
     try:
@@ -128,7 +128,7 @@ def workflow_stages(models: dict) -> tuple[str, str]:
     t2i = [n for n, m in models.items() if m.card.task is TaskType.T2I]
     i2v = [n for n, m in models.items() if m.card.task is TaskType.I2V]
     if not t2i or not i2v:
-        raise ValueError("--workflow t2i-i2v needs a text-to-image and an image-to-video --model; "
+        raise InvalidInputError("--workflow t2i-i2v needs a text-to-image and an image-to-video --model; "
                          f"got {[m.card.name for m in models.values()]}")
     return t2i[0], i2v[0]
 

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from ..errors import FlowseamError
+from ..errors import FlowseamError, InvalidInputError
 from .config import ConfigSection, validate_config
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,7 +77,7 @@ class Shard:
         every rank (a collective: every rank calls it)."""
         expected = (len(self.groups), len(self.members))
         if tuple(local.shape) != expected:
-            raise ValueError(f"local block has shape {tuple(local.shape)}; this shard is {expected}")
+            raise InvalidInputError(f"local block has shape {tuple(local.shape)}; this shard is {expected}")
         if self.dp.world_size == 1:
             return local
         blocks = self.dp.gather_tensor(local)

@@ -36,6 +36,7 @@ from .config import (
 )
 from .distributed import DataParallel
 from .guards import clip_gradients
+from ..errors import InvalidInputError
 
 class GRPOConfig(ConfigSection):
     """Flow-GRPO hyper-parameters, the ``[grpo]`` config section (defaults: Flow-GRPO's SD3
@@ -84,7 +85,7 @@ def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tens
         invalid (advantage 0, never trained on); a group with zero std gets advantage 0.
     """
     if rewards.ndim != 2 or rewards.shape[1] < 2:
-        raise ValueError(f"rewards have shape {tuple(rewards.shape)}; need (groups, K) with K >= 2")
+        raise InvalidInputError(f"rewards have shape {tuple(rewards.shape)}; need (groups, K) with K >= 2")
     rewards = rewards.double()
     valid = torch.isfinite(rewards).all(dim=1)
     safe = torch.where(valid[:, None], rewards, torch.zeros_like(rewards))
@@ -229,7 +230,7 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
     # The steps with a log-prob: every step, or those of the rollout's SDE window.
     stochastic = [j for j, rec in enumerate(work[0].result.records) if rec.log_prob is not None]
     if not stochastic:
-        raise ValueError("Flow-GRPO needs SDE rollouts (params.sde_rollout=True); no step of the "
+        raise InvalidInputError("Flow-GRPO needs SDE rollouts (params.sde_rollout=True); no step of the "
                          "rollout has a log-prob")
     steps = [stochastic[k] for k in train_timesteps(len(stochastic), cfg.timestep_fraction, seed)]
     if expert is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from ..errors import InvalidInputError
 
 
 def constant(prompts, outputs) -> torch.Tensor:
@@ -28,7 +29,7 @@ class ChannelContrast:
 
     def __init__(self, channel: int = 0) -> None:
         if channel not in (0, 1, 2):
-            raise ValueError(f"channel={channel} must be 0, 1 or 2 (R, G, B)")
+            raise InvalidInputError(f"channel={channel} must be 0, 1 or 2 (R, G, B)")
         self.channel = channel
 
     def __call__(self, prompts, outputs) -> torch.Tensor:
@@ -60,7 +61,7 @@ def reward_input(reward, result) -> np.ndarray:
     """
     if getattr(reward, "modality", "video") == "audio":
         if result.audio is None:
-            raise ValueError(f"reward {getattr(reward, '__name__', reward)!r} scores audio, and "
+            raise InvalidInputError(f"reward {getattr(reward, '__name__', reward)!r} scores audio, and "
                              "this model makes none (use a video reward, or an LTX-2 checkpoint)")
         return result.audio
     return result.frames
@@ -74,6 +75,6 @@ def score(reward, prompts: list[str], outputs: np.ndarray) -> torch.Tensor:
     r = reward(prompts, outputs)
     r = torch.as_tensor(r, dtype=torch.float32).flatten()
     if r.shape != (len(prompts),):
-        raise ValueError(f"reward returned shape {tuple(r.shape)} for {len(prompts)} samples; expected "
+        raise InvalidInputError(f"reward returned shape {tuple(r.shape)} for {len(prompts)} samples; expected "
                          f"({len(prompts)},)")
     return r

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import FlowseamError
+from ..errors import FlowseamError, InvalidInputError
 from ..models.base import ModelInstance
 from .distributed import full_state, whole
 
@@ -66,10 +66,10 @@ class WeightSyncPlan:
 
     def __post_init__(self) -> None:
         if self.component not in self.target.components:
-            raise ValueError(f"component {self.component!r} is not in {self.target.card.name}; it has "
+            raise InvalidInputError(f"component {self.component!r} is not in {self.target.card.name}; it has "
                              f"{sorted(self.target.components)}")
         if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"decay={self.decay} must be in [0, 1)")
+            raise InvalidInputError(f"decay={self.decay} must be in [0, 1)")
 
     @torch.no_grad()
     def sync(self) -> int:
@@ -160,11 +160,11 @@ class WeightUpdate:
         own = module.state_dict()
         if set(tensors) != set(own):
             extra, missing = sorted(set(tensors) - set(own)), sorted(set(own) - set(tensors))
-            raise ValueError(f"weight update v{self.version} of {self.component!r} does not fit "
+            raise InvalidInputError(f"weight update v{self.version} of {self.component!r} does not fit "
                              f"{instance.card.name}: unexpected {extra[:3]}, missing {missing[:3]}")
         for name, value in tensors.items():
             if own[name].shape != value.shape:
-                raise ValueError(f"weight update v{self.version}: {name} has shape "
+                raise InvalidInputError(f"weight update v{self.version}: {name} has shape "
                                  f"{tuple(value.shape)}, the component {tuple(own[name].shape)}")
         for name, value in tensors.items():
             own[name].copy_(value)
