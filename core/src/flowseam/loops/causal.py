@@ -9,13 +9,15 @@ is final as soon as it is denoised, so it is decoded and yielded right away (:fu
 
 ``stream`` reads top to bottom: check inputs → encode prompt → prepare latents and sigmas →
 resolve kernels → per chunk: denoise, decode and yield, then write the cache. The seam: the solver
-steps are ``platform.kernels``' ``flow_match_step`` (x0 = x - sigma v, an Euler step to sigma 0)
-and ``flow_renoise``, resolved once; the DiT's attention is the platform's ``cached_attention``
-(:mod:`flowseam.causal_attention`). With ``ExecutionProfile.ROLLOUT`` it captures one
-BehaviorRecord per (chunk, step). With ``sde_rollout`` each step is instead Flow-GRPO's SDE step
-``flow_sde_step`` between the chunk's sigmas (within ``sde_window``; the ODE/re-noise steps
-elsewhere), which gives every step a log-prob (the cache pass is unchanged). With
-``kv_cache=False`` every velocity is a full recompute of the prefix with the block-causal mask.
+is the loops' one stepper (:class:`~flowseam.loops.solvers.SolverSteps`) with Self-Forcing's
+sampler as its input (``flow_match_step`` to x0 = x - sigma v, then ``flow_renoise`` to the next
+sigma) and the per-chunk sigma schedule as each chunk's stage; the DiT's attention is the
+platform's ``cached_attention`` (:mod:`flowseam.causal_attention`). With
+``ExecutionProfile.ROLLOUT`` it captures one BehaviorRecord per (chunk, step). With
+``sde_rollout`` each step is instead Flow-GRPO's SDE step ``flow_sde_step`` between the chunk's
+sigmas (within ``sde_window``, counted per chunk; the x0 / re-noise steps elsewhere), which gives
+every step a log-prob (the cache pass is unchanged). With ``kv_cache=False`` every velocity is a
+full recompute of the prefix with the block-causal mask.
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 import torch
 
-from .. import ops
-from ..faults import check_finite, check_step, check_velocity, component_faults
-from ..noise import noise_like
+from ..faults import check_finite, check_velocity, component_faults
 from ..request import GenerationRequest
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+from .solvers import X0_RENOISE, SolverSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.wan_causal import WanCausalT2V
@@ -95,12 +96,9 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
     sigmas, timesteps = model.schedule(params, noise)
     chunks = model.chunks(params)
 
-    # 4. Resolve the kernels once.
-    kernels = model.platform.kernels
-    euler, renoise = kernels.get(ops.FLOW_MATCH_STEP), kernels.get(ops.FLOW_RENOISE)
-    sde = kernels.get(ops.FLOW_SDE_STEP) if params.sde_rollout else None
-    window = range(*params.sde_window) if params.sde_window is not None else range(len(timesteps))
-    sigma_max = sigmas[1] if len(sigmas) > 2 else None
+    # 4. Resolve the kernels once: the stepper with Self-Forcing's sampler.
+    solve = SolverSteps(model.platform.kernels, params, generators, sampler=X0_RENOISE,
+                        model=model)
     capture = profile is ExecutionProfile.ROLLOUT
     cache = model.new_cache(params) if params.kv_cache else None
     decoder = model.stream_decoder() if decode else None
@@ -115,36 +113,22 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
     for c, (start, n) in enumerate(chunks):
         t_chunk = time.perf_counter()
         x = noise[:, :, start:start + n]
-        # 5. Denoise the chunk: predict x0, re-noise it with fresh noise to the next sigma.
+        # 5. Denoise the chunk on the per-chunk schedule (the SDE window counts per chunk).
+        solve.start(sigmas)
         with torch.no_grad():
             for i in range(len(timesteps)):
-                sigma, sigma_next = sigmas[i], sigmas[i + 1]
                 t = timesteps[i].expand(x.shape[0])
-                step = f"{i} of chunk {c}"
-                with component_faults(model, ("dit",), f"predicting the velocity at step {step}"):
+                label = f"{i} of chunk {c}"
+                with component_faults(model, ("dit",), f"predicting the velocity at step {label}"):
                     v = model.chunk_velocity(x, t, cond, params, cache, start,
                                              context=output[:, :, :start])
-                check_velocity(model, step, v, x)
-                log_prob = None
-                if sde is not None and i in window:
-                    used = sde
-                    out = sde(x, v, sigma, sigma_next, noise=noise_like(x, generators),
-                              noise_level=params.noise_level, sigma_max=sigma_max)
-                    x_next, log_prob = getattr(out, "sample", out), getattr(out, "log_prob", None)
-                    check_step(model, step, sde, x, v, x_next, sigma, sigma_next, log_prob, True)
-                else:
-                    x0 = euler(x, v, sigma, 0.0)
-                    check_step(model, step, euler, x, v, x0, sigma, 0.0)
-                    if sigma_next > 0.0:
-                        used, x_next = renoise, renoise(x0, noise_like(x0, generators), sigma_next)
-                        check_step(model, step, renoise, x0, None, x_next, 0.0, sigma_next)
-                    else:
-                        used, x_next = euler, x0
+                check_velocity(model, label, v, x)
+                step = solve(i, x, v, label=label)
                 if capture:
                     records.append(BehaviorRecord(
-                        len(records), x, x_next, t, sigma, sigma_next, sigma_max, log_prob,
-                        used.impl_id, chunk=c, start_frame=start))
-                x = x_next
+                        len(records), x, step.next_latents, t, step.sigma, step.sigma_next,
+                        step.sigma_max, step.log_prob, step.impl_id, chunk=c, start_frame=start))
+                x = step.next_latents
                 if step_callback is not None:
                     step_callback(c * len(timesteps) + i, len(chunks) * len(timesteps), x)
         output[:, :, start:start + n] = x
@@ -166,14 +150,12 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
         if c == len(chunks) - 1:
             if bar is not None:
                 bar.close()
-            used_kernels = {ops.FLOW_MATCH_STEP: euler.impl_id, ops.FLOW_RENOISE: renoise.impl_id}
-            if sde is not None:
-                used_kernels[ops.FLOW_SDE_STEP] = sde.impl_id
             seconds["total"] = now - t_start
             seconds["first_chunk"] = first_chunk
             result = LoopResult(frames=np.zeros((0,), np.float32), latents=output, params=params,
                                 seeds=seeds, records=records, cond=cond, seconds=seconds,
-                                kernels=used_kernels, loop="wan_causal", chunks=len(chunks),
+                                kernels=solve.impl_ids, loop="wan_causal", chunks=len(chunks),
+                                solver=solve.line(model.solver_line(), "per-chunk"),
                                 kv_cache_peak_bytes=cache.peak_bytes if cache is not None else 0)
         yield Chunk(c, start, x, frames, now - t_start, result)
         # 7. Write the clean chunk's keys/values into the cache (one pass at t = 0).

@@ -75,7 +75,9 @@ def run(model: "ModelInstance", request: GenerationRequest,
     #    step's expert is the DiT that owns its timestep (one for Wan2.1 and FLUX.1).
     #    With a cache policy (off by default) a step's velocity may be predicted instead of
     #    computed, per CFG branch (StepCache, flowseam.loops.step_cache).
-    solve = SolverSteps(model.platform.kernels, schedule, params, generators, model=model)
+    solve = SolverSteps(model.platform.kernels, params, generators, sampler=schedule.solver.ops,
+                        config=schedule.solver, model=model)
+    solve.start(schedule)
     cache = None if params.cache is None else StepCache(params.cache, solve.sigmas)
     records: list[BehaviorRecord] = []
     experts: list[str] = []
@@ -102,7 +104,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
             step = solve(i, latents, velocity)
             if capture:
                 records.append(BehaviorRecord(i, latents, step.next_latents, t, step.sigma,
-                                              step.sigma_next, solve.sigma_max, step.log_prob,
+                                              step.sigma_next, step.sigma_max, step.log_prob,
                                               step.impl_id, expert=expert,
                                               cache=None if cache is None else str(params.cache),
                                               predicted=cache is not None and cache.predicted[-1]))
@@ -123,7 +125,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
         frames=frames, latents=latents, params=params, seeds=seeds, records=records, cond=cond,
         seconds={"encode": t_encoded - t_start, "denoise": t_denoised - t_encoded,
                  "decode": t_end - t_denoised, "total": t_end - t_start},
-        kernels=solve.impl_ids, solver=solve.describe(), experts=experts,
+        kernels=solve.impl_ids, solver=solve.line(schedule.solver.describe()), experts=experts,
         cache=None if cache is None else cache.report())
 
 

@@ -9,9 +9,10 @@ base resolution) → upsample the video latents x2 → re-noise to the first ref
 
 The state the solver moves is one float32 tensor per sample holding the packed video and audio
 latents (the card's layout; see :mod:`flowseam.models.ltx2`): video and audio share every sigma,
-so each step of either stage is **one** call of the kernel ``platform.kernels`` resolved for this
-run (before the first step), and a rollout's BehaviorRecord covers both modalities; stage 2's
-re-noising is one call of the platform's ``flow_renoise`` kernel. With
+so each step of either stage is **one** call of the loops' one stepper
+(:class:`~flowseam.loops.solvers.SolverSteps`, kernels resolved before the first step), and a
+rollout's BehaviorRecord covers both modalities; stage 2's re-noising is the stepper's
+:meth:`~flowseam.loops.solvers.SolverSteps.renoise` (the platform's ``flow_renoise`` kernel). With
 ``ExecutionProfile.ROLLOUT`` every step of both stages is captured with its kernel's
 ``impl_id``; the steps are numbered across the stages (stage 2 continues after stage 1's last
 index), which is also how ``sde_window`` counts them.
@@ -32,11 +33,11 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..faults import check_finite, check_step, check_velocity, component_faults
-from ..noise import noise_like
+from ..faults import check_finite, check_velocity, component_faults
 from ..request import DiffusionParams, GenerationRequest
 from ..step_constants import reuse_across_steps
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+from .solvers import SolverSteps
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
@@ -82,11 +83,14 @@ def run(model: "ModelInstance", request: GenerationRequest,
         latents = model.prepare_latents(request, params, generators, cond)
     sigmas, timesteps = model.schedule(params, latents, cond)
 
-    # 4. Denoise stage 1: the solver is whatever the platform resolved for this op (both stages).
+    # 4. Denoise stage 1: the solver is the loops' stepper, its kernels whatever the platform
+    #    resolved for this run (both stages).
     total = len(timesteps) + (len(params.refine_sigmas) if params.stages == 2 else 0)
-    solver = _Solver(model.platform, params, profile is ExecutionProfile.ROLLOUT, total,
-                     _progress(progress, model, total), step_callback)
-    latents = solver.denoise(model, latents, sigmas, timesteps, cond, params, generators, first=0)
+    solve = SolverSteps(model.platform.kernels, params, generators, renoise=params.stages == 2,
+                        model=model)
+    stage = _Stage(model, solve, cond, params, profile is ExecutionProfile.ROLLOUT, total,
+                   _progress(progress, model, total), step_callback)
+    latents = stage.denoise(latents, sigmas, timesteps, first=0)
     t_stage1 = t_upsampled = time.perf_counter()
 
     if params.stages == 2:
@@ -95,16 +99,12 @@ def run(model: "ModelInstance", request: GenerationRequest,
             latents = model.upsample(latents, cond, params)
         t_upsampled = time.perf_counter()
 
-        # 6. Stage 2: re-noise to the first refine sigma (the platform's flow_renoise kernel),
-        #    then the refine steps.
+        # 6. Stage 2: re-noise to the first refine sigma (the stepper's flow_renoise; the card
+        #    draws the noise in its layout), then the refine steps.
         sigmas2, timesteps2 = model.refine_schedule(params, latents, cond)
-        upsampled = latents
-        latents = model.renoise(latents, params.refine_sigmas[0], generators, cond, solver.renoise)
-        check_step(model, "renoise", solver.renoise, upsampled, None, latents, 0.0,
-                   params.refine_sigmas[0])
-        latents = solver.denoise(model, latents, sigmas2, timesteps2, cond, params, generators,
-                                 first=len(timesteps))
-    solver.close()
+        latents = model.renoise(latents, params.refine_sigmas[0], generators, cond, solve.renoise)
+        latents = stage.denoise(latents, sigmas2, timesteps2, first=len(timesteps))
+    stage.close()
     t_denoised = time.perf_counter()
 
     # 7. Decode: the frames (video VAE) and the waveform (audio VAE → vocoder).
@@ -119,85 +119,60 @@ def run(model: "ModelInstance", request: GenerationRequest,
             check_finite(model, ("audio_vae", "vocoder"), audio, "decoded a non-finite waveform")
     t_end = time.perf_counter()
     return LoopResult(
-        frames=frames, latents=latents, params=params, seeds=seeds, records=solver.records,
-        cond=cond, kernels=solver.used, loop="ltx2", audio=audio, sample_rate=rate,
-        solver=solver.describe(model.solver_line(), params),
+        frames=frames, latents=latents, params=params, seeds=seeds, records=stage.records,
+        cond=cond, kernels=solve.impl_ids, loop="ltx2", audio=audio, sample_rate=rate,
+        solver=_describe(solve, model.solver_line(), params),
         seconds={"encode": t_encoded - t_start, "stage1": t_stage1 - t_encoded,
                  "upsample": t_upsampled - t_stage1, "stage2": t_denoised - t_upsampled,
                  "denoise": t_denoised - t_encoded, "decode": t_end - t_denoised,
                  "total": t_end - t_start})
 
 
-class _Solver:
-    """The kernels of one run, resolved once from ``platform.kernels`` (the ODE step, Flow-GRPO's
-    SDE step for an ``sde_rollout``, and ``flow_renoise``), the BehaviorRecords they produced (with
-    ``capture``), and what runs after every step (the progress bar, the step callback)."""
+def _describe(solve: SolverSteps, solver_line: str, params: DiffusionParams) -> str:
+    """One line: the op and kernel that stepped on the checkpoint's schedule (``solver_line``,
+    the model's), and stage 2's re-noising and refine sigmas."""
+    line = solve.line(solver_line, "stage-1")
+    if params.stages == 2:
+        line += (f"; stage 2: {ops.FLOW_RENOISE} [{solve.kernels[ops.FLOW_RENOISE].impl_id}] to "
+                 f"sigma {params.refine_sigmas[0]}, then sigmas {list(params.refine_sigmas)} "
+                 "(no dynamic or terminal shift)")
+    return line
 
-    def __init__(self, platform: Any, params: DiffusionParams, capture: bool, total: int,
-                 bar: Any, step_callback: StepCallback | None) -> None:
-        self.op = ops.FLOW_SDE_STEP if params.sde_rollout else ops.FLOW_MATCH_STEP
-        self.step = platform.kernels.get(self.op)
-        # outside an sde_window the step is the ODE one
-        self.ode = platform.kernels.get(ops.FLOW_MATCH_STEP) if params.sde_rollout else self.step
-        self.renoise = platform.kernels.get(ops.FLOW_RENOISE)  # stage 2's re-noising
-        #: op → impl_id of every kernel the run used
-        self.used = {self.op: self.step.impl_id}
-        if params.sde_rollout and params.sde_window is not None:
-            self.used[ops.FLOW_MATCH_STEP] = self.ode.impl_id
-        if params.stages == 2:
-            self.used[ops.FLOW_RENOISE] = self.renoise.impl_id
-        self.window = range(*params.sde_window) if params.sde_window is not None else None
+
+class _Stage:
+    """What runs around the stepper at every step of either stage: the DiT's velocity, the
+    BehaviorRecords (with ``capture``), the progress bar and the step callback."""
+
+    def __init__(self, model: "ModelInstance", solve: SolverSteps, cond: Any,
+                 params: DiffusionParams, capture: bool, total: int, bar: Any,
+                 step_callback: StepCallback | None) -> None:
+        self.model, self.solve, self.cond, self.params = model, solve, cond, params
         self.capture, self.total, self.bar, self.step_callback = capture, total, bar, step_callback
         self.records: list[BehaviorRecord] = []
-
-    def describe(self, solver_line: str, params: DiffusionParams) -> str:
-        """One line: the ops and kernels that ran, on the checkpoint's schedule (``solver_line``,
-        the model's), and stage 2's re-noising and refine sigmas."""
-        how = "ODE" if not params.sde_rollout else "Flow-GRPO SDE rollout" + (
-            f", SDE steps {self.window.start}-{self.window.stop - 1}" if self.window else "")
-        settings = solver_line.split(": ", 1)[-1]
-        line = f"solver {self.op} [{self.step.impl_id}] ({how}) on the stage-1 schedule: {settings}"
-        if params.stages == 2:
-            line += (f"; stage 2: {ops.FLOW_RENOISE} [{self.renoise.impl_id}] to sigma "
-                     f"{params.refine_sigmas[0]}, then sigmas {list(params.refine_sigmas)} "
-                     "(no dynamic or terminal shift)")
-        return line
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
-    def denoise(self, model: "ModelInstance", latents: torch.Tensor, sigmas: list[float],
-                timesteps: torch.Tensor, cond: Any, params: DiffusionParams,
-                generators: list[torch.Generator], first: int) -> torch.Tensor:
+    def denoise(self, latents: torch.Tensor, sigmas: list[float], timesteps: torch.Tensor,
+                first: int) -> torch.Tensor:
         """One stage: ``len(timesteps)`` steps from ``sigmas[0]`` to ``sigmas[-1]``; step ``i`` of
         the stage is step ``first + i`` of the run (records, ``sde_window``, the callback)."""
-        sigma_max = sigmas[1] if len(sigmas) > 2 else None
+        model, solve = self.model, self.solve
+        solve.start(sigmas, first=first)
         # what the DiT computes from the text alone runs at the stage's first step only
         with torch.no_grad(), reuse_across_steps():
-            for i in range(len(timesteps)):
-                index, sigma, sigma_next = first + i, sigmas[i], sigmas[i + 1]
-                t = timesteps[i].expand(latents.shape[0])
+            for index in range(first, first + len(timesteps)):
+                t = timesteps[index - first].expand(latents.shape[0])
                 with component_faults(model, ("dit",), f"predicting the velocity at step {index}"):
-                    velocity = model.velocity(latents, t, cond, params)
+                    velocity = model.velocity(latents, t, self.cond, self.params)
                 check_velocity(model, index, velocity, latents)
-                sde = params.sde_rollout and (self.window is None or index in self.window)
-                if sde:
-                    used = self.step
-                    out = used(latents, velocity, sigma, sigma_next,
-                               noise=noise_like(latents, generators),
-                               noise_level=params.noise_level, sigma_max=sigma_max)
-                    next_latents, log_prob = getattr(out, "sample", out), getattr(out, "log_prob", None)
-                else:
-                    used = self.ode
-                    next_latents, log_prob = used(latents, velocity, sigma, sigma_next), None
-                # the state's shape, dtype and device, finite (else named: step, op, impl_id)
-                check_step(model, index, used, latents, velocity, next_latents, sigma, sigma_next,
-                           log_prob, sde=sde)
+                step = solve(index, latents, velocity)
                 if self.capture:
-                    self.records.append(BehaviorRecord(index, latents, next_latents, t, sigma,
-                                                       sigma_next, sigma_max, log_prob, used.impl_id))
-                latents = next_latents
+                    self.records.append(BehaviorRecord(
+                        index, latents, step.next_latents, t, step.sigma, step.sigma_next,
+                        step.sigma_max, step.log_prob, step.impl_id))
+                latents = step.next_latents
                 if self.bar is not None:
                     self.bar.update(1)
                 if self.step_callback is not None:

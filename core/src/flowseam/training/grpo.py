@@ -7,10 +7,11 @@ score them, use the group-relative advantage ``A = (r - mean) / (std + eps)`` (c
 penalty to a frozen reference: ``KL = ||mean_θ - mean_ref||² / (2 std²)`` per step (their
 ``train_sd3.py``).
 
-The log-prob recompute of every update resolves its kernel with
-``platform.kernels.pin(record.impl_id)`` — the exact implementation that produced the rollout, or
-a :class:`~flowseam.KernelPinError`; never a fresh lookup (C2: on the first inner epoch, before
-any weight change, every PPO ratio is 1).
+The log-prob recompute of every update runs through the loops' one stepper with the rollout's
+kernel pinned (:meth:`flowseam.loops.solvers.SolverSteps.recompute`:
+``platform.kernels.pin(record.impl_id)``) — the exact implementation that produced the rollout,
+or a :class:`~flowseam.KernelPinError`; never a fresh lookup (C2: on the first inner epoch,
+before any weight change, every PPO ratio is 1).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from pydantic import Field
 
 from ..loops import LoopResult, record_velocity
+from ..loops.solvers import SolverSteps
 from ..models.base import ModelInstance
 from .config import (
     ConfigSection,
@@ -227,11 +229,10 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
     if not n_rows:
         return stats
     work = trajectories if dp.world_size > 1 else [t for t in trajectories if t.is_trained]
-    # The steps with a log-prob: every step, or those of the rollout's SDE window.
+    # The steps with a log-prob: every step, or those of the rollout's SDE window; each rollout's
+    # recompute pins the kernel that produced them (KernelPinError, ValueError before any update).
+    solvers = [SolverSteps.recompute(t.model.platform.kernels, t.result) for t in work]
     stochastic = [j for j, rec in enumerate(work[0].result.records) if rec.log_prob is not None]
-    if not stochastic:
-        raise InvalidInputError("Flow-GRPO needs SDE rollouts (params.sde_rollout=True); no step of the "
-                         "rollout has a log-prob")
     steps = [stochastic[k] for k in train_timesteps(len(stochastic), cfg.timestep_fraction, seed)]
     if expert is not None:
         steps = [j for j in steps if work[0].result.records[j].expert == expert]
@@ -246,14 +247,13 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
             adv = traj.advantages.to(res.latents.device)
             mask = traj.rows_trained
             weights = (mask.float() * row_weight).to(res.latents.device)
+            solve = solvers[t_index]
             for j in steps:
                 last = t_index == len(work) - 1 and j == steps[-1]
                 with dp.accumulate(policy, sync=last):
                     rec = res.records[j]
-                    kernel = model.platform.kernels.pin(rec.impl_id)
                     v = record_velocity(model, res, rec, dit=policy)  # the loop's own recompute
-                    out = kernel(rec.latents, v, rec.sigma, rec.sigma_next, prev_sample=rec.next_latents,
-                                 noise_level=res.params.noise_level, sigma_max=rec.sigma_max)
+                    out = solve.log_prob(rec, v)  # the rollout's kernel, pinned
                     log_ratio = out.log_prob - rec.log_prob.to(out.log_prob.device)
                     ratio = torch.exp(log_ratio)
                     unclipped = -adv * ratio
@@ -262,9 +262,7 @@ def ppo_update(policy: torch.nn.Module, reference: torch.nn.Module | None,
                     if cfg.beta > 0 and reference is not None:
                         with torch.no_grad():
                             v_ref = record_velocity(model, res, rec, dit=reference)
-                            ref = kernel(rec.latents, v_ref, rec.sigma, rec.sigma_next,
-                                         prev_sample=rec.next_latents,
-                                         noise_level=res.params.noise_level, sigma_max=rec.sigma_max)
+                            ref = solve.log_prob(rec, v_ref)
                         kl = ((out.mean - ref.mean) ** 2).flatten(1).mean(dim=1) / (2 * out.std ** 2)
                         rows = rows + cfg.beta * kl
                         if traj.is_trained:

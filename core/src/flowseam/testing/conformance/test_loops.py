@@ -10,6 +10,7 @@ import torch
 
 import flowseam
 from flowseam import ops
+from flowseam.loops.solvers import SolverSteps
 from flowseam.testing.conformance._support import (
     assert_model_close,
     card_cases,
@@ -46,8 +47,9 @@ def test_rollout_log_prob_recomputes(flowseam_platform, flowseam_case, conforman
     """C2 through a real rollout: ``run_loop(..., profile=ROLLOUT)`` with ``sde_rollout=True``
     records every step (every (chunk, step) of the causal loop); recomputing the velocity with
     ``flowseam.record_velocity`` (the loop's own recompute: the causal loop rebuilds the KV
-    cache of the earlier chunks) and the log-prob with ``platform.kernels.pin(record.impl_id)``
-    (from ``prev_sample=record.next_latents``) gives the rollout's log-prob: PPO ratio 1 within
+    cache of the earlier chunks) and the log-prob with the stepper the RL methods use,
+    ``SolverSteps.recompute`` (the kernel pinned by ``platform.kernels.pin(record.impl_id)``;
+    ``prev_sample=record.next_latents``) gives the rollout's log-prob: PPO ratio 1 within
     1e-6 on every step, sigma == 1 and the last step to 0 included."""
     card = flowseam_case
     platform = flowseam_platform
@@ -57,6 +59,8 @@ def test_rollout_log_prob_recomputes(flowseam_platform, flowseam_case, conforman
                                decode=False)
     sde = platform.kernels.get(ops.FLOW_SDE_STEP)
     records = result.records
+    # the RL update's recompute: the loops' stepper with the rollout's kernel pinned
+    recompute = SolverSteps.recompute(platform.kernels, result)
     steps = result.params.num_steps * result.chunks
     if result.params.stages == 2:  # LTX-2: stage 2's refine steps are recorded too
         steps += len(result.params.refine_sigmas)
@@ -71,11 +75,9 @@ def test_rollout_log_prob_recomputes(flowseam_platform, flowseam_case, conforman
         assert rec.impl_id == sde.impl_id, \
             f"step {rec.index} ran {rec.impl_id}, not the platform's {sde.impl_id}"
         assert rec.log_prob is not None and tuple(rec.log_prob.shape) == (rec.latents.shape[0],)
-        kernel = platform.kernels.pin(rec.impl_id)
         with torch.no_grad():
             v = flowseam.record_velocity(model, result, rec)
-            out = kernel(rec.latents, v, rec.sigma, rec.sigma_next, prev_sample=rec.next_latents,
-                         noise_level=result.params.noise_level, sigma_max=rec.sigma_max)
+            out = recompute.log_prob(rec, v)
         ratio = torch.exp(out.log_prob.double().cpu() - rec.log_prob.double().cpu())
         worst = float((ratio - 1).abs().max())
         assert worst <= RATIO_TOL, \
