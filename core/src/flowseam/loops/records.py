@@ -78,9 +78,10 @@ class LoopResult:
     :ivar records: the BehaviorRecords (ROLLOUT only).
     :ivar cond: the conditioning used (text embeddings etc.), for recomputing velocities.
     :ivar seconds: wall time per stage (``encode``, ``denoise``, ``decode``, ``total``).
-    :ivar kernels: op → impl_id of the solver kernel the loop used (the checkpoint's solver op,
-        or ``flow_sde_step`` for an SDE rollout, whose steps outside an ``sde_window`` are
-        ``flow_match_step``; each BehaviorRecord names its own kernel).
+    :ivar kernels: op → impl_id of every solver kernel the run used (the serving sampler's ops;
+        ``flow_sde_step`` for an SDE rollout, with the sampler's ops outside an ``sde_window``;
+        ``flow_renoise`` for LTX-2's stage 2), in the order first used; each BehaviorRecord names
+        the kernel of its own step.
     :ivar loop: the loop that ran (``"flow_match"``, ``"wan_causal"``, ...).
     :ivar chunks: how many chunks the video was generated in (1 outside the causal loop).
     :ivar kv_cache_peak_bytes: the most bytes the causal loop's KV cache held (all layers).
