@@ -52,8 +52,8 @@ class PeakRSS:
     entry by writing 5 to /proc/self/clear_refs (Linux >= 4.0, ``proc(5)``), minus the RSS then.
 
     Exact, and nothing runs beside the measured block: a thread that sampled /proc/self/statm
-    every 2 ms (before 2026-12-01) missed peaks shorter than that and took ~0.5 CPU s and the GIL
-    from every 10 s run (12 % of an LTX-2 two-stage run at one thread), which pulled both
+    every 2 ms (as this bench first did) missed peaks shorter than that and took ~0.5 CPU s and
+    the GIL from every 10 s run (12 % of an LTX-2 two-stage run at one thread), which pulled both
     sides' times and their ratio toward each other."""
 
     def __enter__(self):

@@ -96,7 +96,7 @@ def main() -> None:
     # The refiner is what this proves: the generator renders but is not updated (with M = 2
     # samples per rewrite its Flow-GRPO advantages are ±0.71 for every pair, mostly noise), and
     # the LM learns at 3e-4 with a KL of 0.04 to the pretrained LM (at 1e-3 it collapses after
-    # about 9 steps, with or without the KL; see the README's Benchmarks row).
+    # about 9 steps, with or without the KL; see docs/benchmarks.md, unified_rl).
     base = dict(RL_CONFIG, prompts_per_step=args.prompts_per_step, freeze_generator=True,
                 lm_sampling=dict(temperature=1.0, max_new_tokens=8),
                 lm_grpo=dict(beta=0.04, clip_range=0.2), lm_optim=dict(lr=3e-4, weight_decay=0.0))

@@ -4,7 +4,7 @@ A DiT conditioned on text recomputes, at every step, values that depend only on 
 embeddings: Wan's text embedder (two linears and a GELU on every text token) and, in every
 block, the cross-attention keys and values (``attn2.to_k``, ``attn2.to_v``, ``attn2.norm_k``).
 diffusers' pipelines recompute them at each step; with 512 text tokens and a small video they
-are a third of a step's work (the profile in the README's benchmark section).
+are a third of a step's work (the profile in docs/benchmarks.md).
 
 :func:`install` gives the named submodules of a DiT a forward that, **inside**
 :func:`reuse_across_steps` and with gradients off, returns its previous output when it is called

@@ -10,7 +10,7 @@ diffusers' ``AnyFlowFARTransformer3DModel`` was the other candidate; it is a dif
 (a dual-timestep flow-map embedding, FAR's compressed far-chunk tokens, no re-noising), so it
 cannot load these weights.
 
-Checkpoint layout (flowseam's, documented in the README): a diffusers ``WanPipeline`` folder
+Checkpoint layout (flowseam's, documented in docs/streaming.md): a diffusers ``WanPipeline`` folder
 whose ``model_index.json`` also holds ``"_flowseam_causal": {...}`` with the Self-Forcing
 settings the checkpoint was trained with (``num_frame_per_block``, ``denoising_step_list``,
 ``timestep_shift``, ``local_attn_size``, ``sink_size``, ``warp_denoising_step``,

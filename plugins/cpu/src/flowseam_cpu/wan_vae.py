@@ -2,7 +2,7 @@
 to every Wan VAE it builds. Both leave the module's weights, config and class unchanged.
 
 They are what ``bench/generate_vs_diffusers.py --profile`` names first for the VAE decode
-(torch 2.13, one thread; the profile is in the README's benchmark section):
+(torch 2.13, one thread; the profile is in docs/benchmarks.md):
 
 * **Convolutions through oneDNN** (:func:`flowseam_cpu.onednn.convolutions_on_onednn`): torch's
   CPU heuristic picks its slow native kernels for every causal conv of a small decode.
