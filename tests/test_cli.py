@@ -202,3 +202,67 @@ def test_dir_and_help_show_the_lazy_public_names():
     text = pydoc.render_doc(flowseam, renderer=pydoc.plaintext)
     for name in ("load(", "run_loop(", "rollout_loop("):
         assert name in text
+
+
+def test_the_console_script_runs_the_package_main():
+    from flowseam import cli
+
+    (script,) = metadata.entry_points(group="console_scripts", name="flowseam")
+    assert script.value == "flowseam.cli:main" and script.load() is cli.main
+
+
+@pytest.mark.parametrize("error,status,first", [
+    (MemoryError(), 1, "flowseam: out of memory: MemoryError (the request needs more memory"),
+    (OSError(28, "No space left on device"), 1, "Traceback (most recent call last):"),
+], ids=["out of memory", "OSError"])
+def test_the_machine_refusing_is_neither_bad_input_nor_a_bug(monkeypatch, error, status, first):
+    """Out of memory: one line, exit 1; an operating-system error: the traceback and a line
+    naming it, exit 1; neither is called bad input (exit 2) or a bug."""
+    def detect(cls, *args, **kwargs):  # the platform flowseam backends shows
+        raise error
+
+    monkeypatch.setattr(flowseam.Platform, "detect", classmethod(detect))
+    r = run_main("backends")
+    assert r.returncode == status, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith(first), r.stderr
+    if isinstance(error, OSError):
+        assert lines[-1] == ("flowseam: system error: [Errno 28] No space left on device (the "
+                             "operating system refused; the traceback above shows what flowseam "
+                             "was doing)"), r.stderr
+    else:
+        assert len(lines) == 1, r.stderr
+    assert "internal error" not in r.stderr and "flowseam: error:" not in r.stderr
+
+
+def test_a_config_schema_error_is_bad_input_naming_the_field(tmp_path, monkeypatch):
+    """A training method that validates its config with its own pydantic model (not flowseam's
+    validate_config): pydantic's ValidationError is bad input, one line naming the field and the
+    value; a valid value runs the method."""
+    import pydantic
+
+    from flowseam import training
+
+    class Config(pydantic.BaseModel):
+        steps: int
+
+    class CountingMethod:
+        """Counts its steps."""
+
+        def __init__(self, config):
+            self.steps = Config.model_validate(config).steps
+
+        def run(self, progress=False):
+            return {"steps": self.steps, "records": [{"step": s} for s in range(self.steps)]}
+
+    monkeypatch.setattr(training, "get_method", lambda name: CountingMethod)
+    config = tmp_path / "counting.toml"
+    config.write_text('steps = "many"\n')
+    argv = ["train", "--method", "counting", "--config", str(config), "--output-dir", str(tmp_path)]
+    bad = run_main(*argv)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.splitlines() == ["flowseam: error: Config: steps='many': Input should be a "
+                                       "valid integer, unable to parse string as an integer"]
+    ok = run_main(*argv, "--set", "steps=3")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("counting: 3 steps; last: {'step': 2}"), ok.stdout

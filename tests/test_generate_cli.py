@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_main
+from conftest import run_cli, run_main
 from PIL import Image
 
 from flowseam import media
+from flowseam.errors import InvalidParameterError
 from flowseam.testing.tiny import write_tiny_checkpoint
 
 
@@ -122,3 +123,55 @@ def test_generate_errors_use_the_commands_words_before_any_model_loads(ckpts, tm
     err = capsys.readouterr().err
     assert "flowseam: error: --negative-prompt is not supported" in err, err  # before any step
     assert not out.exists() and not (tmp_path / "x.png").exists()
+
+
+def _t2i_argv(ckpts, out, *extra):
+    return ["generate", "--model", str(ckpts["flux.1-t2i"]), "--prompt", "a dog", "--steps", "1",
+            "--height", "32", "--width", "32", "--backend", "cpu", "--output", str(out), *extra]
+
+
+def test_the_process_names_the_bad_option_on_one_line_and_exits_2(ckpts, tmp_path):
+    """The real ``python -m flowseam`` process: exit 2 and exactly one stderr line naming the
+    option; the same command line with a valid value writes the image (in this process)."""
+    out = tmp_path / "x.png"
+    r = run_cli(*_t2i_argv(ckpts, out, "--steps", "0"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["flowseam: error: --steps=0 must be an integer >= 1"], r.stderr
+    assert not out.exists()
+    ok = run_main(*_t2i_argv(ckpts, out))
+    assert ok.returncode == 0 and out.is_file(), ok.stderr
+
+
+@pytest.mark.parametrize("error,status,line", [
+    (ValueError("this request needs 3 GiB"), 1,
+     "flowseam: internal error (a bug in flowseam or in one of its plugins, not in your "
+     "input): ValueError: this request needs 3 GiB. Please report it"),
+    (RuntimeError("expected scalar type Float but found Double"), 1,
+     "flowseam: internal error (a bug in flowseam or in one of its plugins, not in your "
+     "input): RuntimeError: expected scalar type Float but found Double. Please report it"),
+    (InvalidParameterError("num_steps", "this request needs 3 GiB"), 2,
+     "flowseam: error: --steps: this request needs 3 GiB"),
+], ids=["ValueError", "RuntimeError", "InvalidParameterError"])
+def test_a_bug_is_not_bad_input(ckpts, tmp_path, monkeypatch, error, status, line):
+    """What decides is the error's class, not its message: a ``ValueError`` or ``RuntimeError``
+    flowseam does not raise on purpose (torch's, or a mistake in flowseam) inside the command is
+    a bug, exit 1 with the traceback and a line saying so (never "bad input" in the command's
+    words); flowseam's own error with the same message is bad input, one line naming the option
+    (``--steps`` for the field ``num_steps``)."""
+    from flowseam import request
+
+    def check_memory(params):  # the core check generate runs before any model loads
+        raise error
+
+    monkeypatch.setattr(request, "check_memory", check_memory)
+    r = run_main(*_t2i_argv(ckpts, tmp_path / "x.png"))
+    assert r.returncode == status, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[-1].startswith(line), r.stderr
+    if status == 1:
+        assert lines[0] == "Traceback (most recent call last):", r.stderr
+        assert "in check_memory" in r.stderr  # the frame that raised
+        assert "flowseam: error:" not in r.stderr
+    else:
+        assert lines == [line] and "Traceback" not in r.stderr
+    assert not (tmp_path / "x.png").exists()

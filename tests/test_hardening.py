@@ -597,7 +597,7 @@ def test_a_sigterm_a_finalizer_swallowed_still_exits_143(monkeypatch):
         def __del__(self):
             signal.raise_signal(signal.SIGTERM)  # _terminate runs here; its SystemExit is dropped
 
-    real = cli.cmd_models
+    real = cli.models.cmd_models  # the models command's module: its parser calls this name
 
     def models_then_collect(args):
         status = real(args)  # the real command runs, then an object is collected mid-command
@@ -606,10 +606,10 @@ def test_a_sigterm_a_finalizer_swallowed_still_exits_143(monkeypatch):
 
     dropped: list[type] = []  # what CPython reports as "Exception ignored in ..."
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
-    monkeypatch.setattr(cli, "cmd_models", models_then_collect)
+    monkeypatch.setattr(cli.models, "cmd_models", models_then_collect)
     assert cli.main(["models"]) == cli.EXIT_TERMINATED
     assert dropped == [SystemExit]  # the handler ran and its exception was dropped
-    monkeypatch.setattr(cli, "cmd_models", real)
+    monkeypatch.setattr(cli.models, "cmd_models", real)
     assert cli.main(["models"]) == 0  # the flag is per command
 
 

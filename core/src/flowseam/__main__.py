@@ -1,3 +1,5 @@
+"""``python -m flowseam``: the ``flowseam`` command (:func:`flowseam.cli.main`)."""
+
 import sys
 
 from .cli import main

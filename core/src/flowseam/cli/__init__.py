@@ -1,0 +1,53 @@
+"""The flowseam command line: the ``flowseam`` script and ``python -m flowseam``.
+
+One module per command: :mod:`.backends`, :mod:`.generate`, :mod:`.train`, :mod:`.serve`,
+:mod:`.models` and :mod:`.demo`, each with ``add_parser(sub)`` (the command and its options) and
+``cmd_<name>(args)`` (what it does; its exit status). Shared by them: :mod:`.parsing` (the parser
+classes, ``--version``) and :mod:`.boundary`, the error boundary every command runs inside: which
+errors are the user's to fix (exit 2, one line), a plugin's (exit 3, one line naming it) or a bug
+(exit 1, the traceback and how to report it). This module puts them together: :func:`main`.
+
+The command modules import nothing of this package but :mod:`.parsing`, and nothing below
+:mod:`flowseam` imports the command line. A test that replaces a command replaces its module's
+``cmd_<name>`` (``flowseam.cli.models.cmd_models``): the parser reads it from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from ..console import enable_notices
+from . import backends, boundary, demo, generate, models, serve, train
+from .boundary import EXIT_BUG, EXIT_PLUGIN_FAULT, EXIT_TERMINATED, EXIT_USAGE
+from .parsing import HelpFormatter, Parser, VersionAction
+
+__all__ = ["main", "build_parser", "EXIT_USAGE", "EXIT_PLUGIN_FAULT", "EXIT_BUG", "EXIT_TERMINATED"]
+
+#: the commands, in the order ``flowseam --help`` lists them
+COMMANDS = (backends, generate, train, serve, models, demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flowseam`` parser: ``--version`` and every command of :data:`COMMANDS`."""
+    parser = Parser(
+        prog="flowseam", description="Serve and RL-post-train flow-matching diffusion models "
+                                     "through backend plugins.",
+        epilog="Run flowseam COMMAND --help for a command's options.",
+        formatter_class=HelpFormatter)
+    parser.add_argument("--version", action=VersionAction, nargs=0,
+                        help="print flowseam's version and its installed plugins', then exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=Parser)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status (see :mod:`flowseam.cli.boundary`: 2 bad input, 3 a
+    plugin fault, 1 a bug, with a traceback, 143 after SIGTERM; argparse's usage errors raise
+    ``SystemExit(2)``)."""
+    args = build_parser().parse_args(argv)
+    enable_notices()  # a backend compiling on its first call says so (flowseam.console.long_wait)
+    return boundary.run(args.func, args)

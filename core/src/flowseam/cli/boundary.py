@@ -1,0 +1,130 @@
+"""The error boundary every command runs inside: what an exception that leaves a command means,
+what the user sees, and the exit status.
+
+- exit 3, ``flowseam: plugin fault: MESSAGE``: a :class:`~flowseam.errors.PluginFaultError`, a
+  plugin's kernel or component that failed at run time; the message names the plugin and how to
+  run without it.
+- exit 2, ``flowseam: error: MESSAGE``: any other :class:`~flowseam.errors.FlowseamError`: bad
+  input (``InvalidInputError``; an ``InvalidParameterError`` names its field, which ``generate``
+  names as its option), a checkpoint that cannot be read or is unsafe or untrusted, a backend
+  that is unavailable, a config that does not validate; and a pydantic ``ValidationError`` (a
+  schema validated outside :func:`~flowseam.training.config.validate_config`), each error naming
+  its field.
+- exit 1, ``flowseam: out of memory: ...``: :func:`~flowseam.faults.is_out_of_memory` (the
+  request's size, neither bad input nor a bug).
+- exit 1, the traceback, then ``flowseam: system error: ...``: an ``OSError`` (a full disk, a
+  permission).
+- exit 1, the traceback, then ``flowseam: internal error: ...`` saying that it is a bug and how to
+  report it: anything else, such as a ``ValueError``, ``TypeError`` or ``RuntimeError`` raised
+  inside torch or by a mistake in flowseam or a plugin.
+- exit 0, nothing: ``BrokenPipeError`` (the reader went away: ``flowseam backends | head``).
+- exit 143: SIGTERM (``finally`` blocks run, no temporary file is left).
+
+A ``ValueError`` is not bad input by itself: torch, numpy and Python raise it for their callers'
+mistakes, which are flowseam's (core raises :class:`~flowseam.errors.InvalidInputError`, a
+``ValueError`` too, for input it refuses). ``KeyboardInterrupt`` and ``SystemExit`` (argparse's
+usage errors, exit 2) pass through as Python handles them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import traceback
+from typing import Callable
+
+from ..errors import FlowseamError, PluginFaultError
+from ..faults import is_out_of_memory
+
+#: Exit statuses: 2 for bad input (an option, a file, a config, a checkpoint), 3 for a plugin that
+#: failed at run time (the message names it), 1 for a bug or the machine (out of memory, the file
+#: system), 143 after SIGTERM.
+EXIT_USAGE, EXIT_PLUGIN_FAULT, EXIT_BUG, EXIT_TERMINATED = 2, 3, 1, 128 + signal.SIGTERM
+
+#: Set by the SIGTERM handler. The ``SystemExit`` it raises unwinds the command, unless the
+#: handler happened to run inside a finalizer (``__del__``, a weakref callback), where CPython
+#: prints the exception and drops it; :func:`run` then still returns 143, never 0.
+_sigterm_received = threading.Event()
+
+
+def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: temporary files are removed
+    _sigterm_received.set()
+    raise SystemExit(EXIT_TERMINATED)
+
+
+def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``command(args)``'s exit status, or the exit status of the exception it raised (see the
+    table above), having told the user on stderr.
+
+    While the command runs, SIGTERM raises ``SystemExit(143)`` in the main thread, so that
+    ``finally`` blocks run: an output being written, a checkpoint being saved, leave no temporary
+    file behind (the default SIGTERM action would kill the process on the spot).
+    """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        _sigterm_received.clear()
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        status = command(args)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's final flush
+        # a SIGTERM whose SystemExit a finalizer swallowed: the work finished (outputs whole,
+        # no temporary file), but the process was told to stop, and says so
+        return EXIT_TERMINATED if _sigterm_received.is_set() else status
+    except BrokenPipeError:
+        # the reader went away (flowseam backends --json | head): stop quietly, as cat does.
+        # Point stdout at devnull so that the interpreter's final flush cannot raise again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as exc:
+        return report(exc)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def report(exc: Exception) -> int:
+    """Tell the user what ``exc``, raised by a command, means (on stderr); its exit status."""
+    if isinstance(exc, PluginFaultError):  # before FlowseamError: a fault is one
+        _say(f"plugin fault: {exc}")
+        return EXIT_PLUGIN_FAULT
+    if isinstance(exc, FlowseamError):
+        _say(f"error: {exc}")
+        return EXIT_USAGE
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(exc, pydantic.ValidationError):
+        _say(f"error: {_validation_message(exc)}")
+        return EXIT_USAGE
+    if is_out_of_memory(exc):
+        _say(f"out of memory: {_first_line(exc)} (the request needs more memory than this machine "
+             "has free: fewer or smaller frames, or another --backend)")
+        return EXIT_BUG
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    if isinstance(exc, OSError):
+        _say(f"system error: {exc} (the operating system refused; the traceback above shows "
+             "what flowseam was doing)")
+    else:
+        _say(f"internal error (a bug in flowseam or in one of its plugins, not in your input): "
+             f"{_first_line(exc)}. Please report it with the command you ran, the traceback "
+             "above and the output of flowseam --version.")
+    return EXIT_BUG
+
+
+def _say(line: str) -> None:
+    print(f"flowseam: {line}", file=sys.stderr)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return type(exc).__name__ + (f": {text[0]}" if text else "")
+
+
+def _validation_message(exc) -> str:
+    """pydantic's errors on one line, each naming its field: ``Config: steps='x': Input should
+    be a valid integer``."""
+    parts = [".".join(map(str, e["loc"])) + (f"={e['input']!r}" if e["type"] != "missing" else "")
+             + f": {e['msg']}" for e in exc.errors()]
+    return f"{exc.title}: " + "; ".join(parts)

@@ -1,0 +1,51 @@
+"""The parser classes every command's options are added to, and ``--version``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose epilog may be a callable (computed only when help is shown, so
+    that building the parser never discovers plugins), printed as is."""
+
+    def format_help(self) -> str:
+        epilog = self.epilog
+        if callable(epilog):
+            self.epilog = epilog()
+        try:
+            return super().format_help()
+        finally:
+            self.epilog = epilog
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that a text with line breaks (an epilog listing the training
+    methods) keeps its lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line + "\n" for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
+
+
+class VersionAction(argparse.Action):
+    """``--version``, printed as is (argparse's own action rewraps the text)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """``flowseam 0.1.0`` and the version of every installed plugin distribution (without
+    importing them)."""
+    from importlib import metadata
+
+    from .. import __version__
+    from ..plugins import ENTRY_POINT_GROUP
+
+    dists = sorted({f"{ep.dist.metadata['Name']} {ep.dist.version}"
+                    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
+                    if ep.dist is not None and ep.dist.metadata["Name"] != "flowseam"})
+    return f"flowseam {__version__}" + (f" (plugins: {', '.join(dists)})" if dists else "")

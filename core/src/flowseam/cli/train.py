@@ -1,0 +1,157 @@
+"""``flowseam train``: a registered training method with a TOML or YAML config, on one rank or
+``--nproc`` ranks; ``--show-config`` prints a method's keys."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..console import quiet_libraries
+from ..errors import InvalidInputError
+from .parsing import HelpFormatter
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``train`` command and its options (the registered methods listed in its help)."""
+    t = sub.add_parser(
+        "train", help="run a training method (finetune, flowgrpo, workflow_rl, ...)",
+        description="Run a registered training method with a TOML or YAML config. The run "
+                    "writes its metrics, its checkpoints (always one at the last step) and, at "
+                    "the end, the trained model in diffusers format (OUTPUT_DIR/model, what "
+                    "flowseam generate --model takes; a LoRA run also writes "
+                    "OUTPUT_DIR/pytorch_lora_weights.safetensors). Rerunning the same command "
+                    "resumes from the latest checkpoint.",
+        epilog=_registered_methods_text, formatter_class=HelpFormatter)
+    t.add_argument("--method", required=True, help="a registered training method (listed below)")
+    t.add_argument("--config", metavar="FILE", help="a .toml or .yaml config file")
+    t.add_argument("--show-config", action="store_true",
+                   help="print every key of the method's config with its default, then exit")
+    t.add_argument("--output-dir", metavar="DIR",
+                   help="where the run writes (overrides the config's output_dir)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config key, TABLE.KEY for a key of a table "
+                        "(e.g. sampling.height=64); the value is parsed as JSON when it can be")
+    t.add_argument("--nproc", type=int, metavar="N",
+                   help="data-parallel training on N ranks of this machine (torchrun: gloo on CPU, "
+                        "nccl on GPU, one GPU per rank); rank 0 writes metrics and checkpoints")
+    t.set_defaults(func=cmd_train)
+
+
+def show_config(name: str, method: Any) -> str:
+    """What ``flowseam train --method NAME --show-config`` prints: the method's summary and
+    every config key with its default, as TOML (or its docstring, for a method that does not
+    publish its keys)."""
+    import inspect
+
+    from ..training.config import as_toml
+
+    doc = inspect.getdoc(method) or ""
+    summary = first_sentence(doc)
+    module_doc = inspect.getdoc(inspect.getmodule(method)) or ""
+    if not hasattr(method, "default_config"):
+        return (f"# {name}: {summary}\n# this method does not publish its config keys "
+                f"(no default_config()); its documentation:\n\n{module_doc or doc}\n")
+    head = f"{name}: {summary}\nEvery key with its default; a commented key has none (required, " \
+           "or chosen at run time).\nSee the method's documentation for what each means:\n" \
+           f"python -c \"import {method.__module__} as m; help(m)\""
+    return as_toml(method.default_config(), tuple(getattr(method, "CONFIG_TABLES", ())), head)
+
+
+def _set_override(config: dict, override: str) -> None:
+    """``--set KEY=VALUE``: a top-level key, or ``table.key`` (the value parsed as JSON when it
+    can be, else kept as a string)."""
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise InvalidInputError(f"--set {override!r} must look like key=value or table.key=value")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:  # not JSON: the string itself
+        parsed = value
+    *tables, last = key.split(".")
+    target = config
+    for table in tables:
+        target = target.setdefault(table, {})
+        if not isinstance(target, dict):
+            raise InvalidInputError(f"--set {override!r}: {table!r} is not a table of the config")
+    target[last] = parsed
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run a registered training method with a TOML/YAML config (on ``--nproc`` ranks)."""
+    import os
+
+    from ..training import get_method
+    from ..training.config import load_config
+
+    quiet_libraries()
+    method = get_method(args.method)  # unknown → error listing the registered methods
+    if args.show_config:
+        print(show_config(args.method, method), end="")
+        return 0
+    if not args.config:
+        raise InvalidInputError(
+            "--config is required (a .toml or .yaml file); --show-config prints "
+            f"every key of {args.method}'s config with its default")
+    config = load_config(args.config)
+    for override in args.set or []:
+        _set_override(config, override)
+    if args.output_dir:
+        config["output_dir"] = args.output_dir
+    if args.nproc is not None and args.nproc < 1:
+        raise InvalidInputError(f"--nproc={args.nproc} must be >= 1")
+    launcher = args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ
+    if launcher:  # not yet a rank
+        check = getattr(method, "check_world_size", None)
+        if check is not None:
+            check(config, args.nproc)  # e.g. a batch that does not split: fail before spawning
+    if not config.get("output_dir"):
+        raise InvalidInputError(
+            "the run needs somewhere to write its trained model: set output_dir in "
+            "the config, or pass --output-dir DIR")
+    if launcher:
+        from ..training.distributed import launch
+
+        argv = ["train", "--method", args.method, "--config", args.config]
+        argv += [a for s in args.set or [] for a in ("--set", s)]
+        argv += ["--output-dir", config["output_dir"]]
+        return launch(argv, args.nproc)
+    summary = method(config).run(progress=True)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # rank 0 reports for the run
+    last = summary["records"][-1] if summary["records"] else {}
+    shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in last.items()
+             if k.startswith(("step", "reward_mean", "loss", "ratio", "t2i_ratio", "i2v_ratio"))}
+    print(f"{args.method}: {summary['steps']} steps; last: {shown}")
+    out = config["output_dir"]
+    for stage, paths in (summary.get("exported") or {}).items():
+        where = f" ({stage})" if len(summary["exported"]) > 1 else ""
+        print(f"model{where}: {paths['model']} (diffusers format: flowseam generate --model "
+              f"{paths['model']} ...)")
+        if "lora" in paths:
+            print(f"lora{where}: {paths['lora']} (diffusers: pipe.load_lora_weights)")
+    print(f"checkpoints: {out}/checkpoints; metrics: {out}/metrics.jsonl")
+    return 0
+
+
+def _registered_methods_text() -> str:
+    """The train command's epilog: the registered methods (discovered when help is shown)."""
+    from ..training import registered_methods
+
+    try:
+        methods = registered_methods()
+    except Exception as exc:  # help must still print
+        return f"(cannot list the training methods: {type(exc).__name__}: {exc})"
+    lines = ["registered methods (--method NAME --show-config prints the keys of its config",
+             "with their defaults):"]
+    for name, cls in sorted(methods.items()):
+        lines.append(f"  {name:<14}{first_sentence(cls.__doc__)}")
+    return "\n".join(lines)
+
+
+def first_sentence(doc: str | None) -> str:
+    """The first sentence of a docstring, as plain text (no RST ``literal`` markup)."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split()).replace("``", "")
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
+
