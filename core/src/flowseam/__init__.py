@@ -19,6 +19,11 @@ loop records) are imported on first access (PEP 562 ``__getattr__``; ``dir(flows
 ``help(flowseam)`` list them). That keeps the plugin loader, ``flowseam backends`` and
 flowseam's pytest plugin (loaded by every pytest run in an environment where flowseam is
 installed) cheap to import.
+
+The modules stand in layers (seam below models below loops below training, serve and the CLI;
+``tests/test_layout.py`` states and checks them). This package is the public API over all of
+them: what it imports on ``import flowseam`` is the seam, and the names of the higher layers
+(``load``, the loops) come on first access.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -52,94 +52,43 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
-from .errors import FlowseamError, InvalidInputError
+from .errors import FlowseamError
+from .policies import LoraSpec, normalize_lora  # noqa: F401  (re-exported: defined in the seam)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from .models.base import ModelInstance
 
 #: the adapter slot's name in a DiT switched by hot-swapping
 SLOT = "flowseam_slot"
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """One adapter of a request's set.
-
-    :param path: a ``.safetensors`` LoRA file (diffusers/peft, kohya or ComfyUI layout).
-    :param weight: its scale (diffusers' ``set_adapters`` weight): 1.0 applies it as trained,
-        0 not at all; negative values are allowed (as in diffusers).
-    :param expert: the DiT expert it applies to (``"transformer_2"`` for Wan2.2's low-noise
-        expert); None: the first expert (what ``load_lora_weights`` loads into).
-    """
-
-    path: str
-    weight: float = 1.0
-    expert: str | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> "LoraSpec":
-        """``PATH[:WEIGHT][@EXPERT]`` (``--lora``). :raises ValueError: for a weight that is
-        not a number, or an empty path."""
-        path, expert = text, None
-        match = re.fullmatch(r"(.*)@([A-Za-z_][A-Za-z0-9_]*)", path)
-        if match:
-            path, expert = match.groups()
-        weight = 1.0
-        head, sep, tail = path.rpartition(":")
-        if sep and head and not tail.startswith(("/", "\\")):
-            try:
-                weight = float(tail)
-            except ValueError:
-                raise InvalidInputError(f"--lora {text!r}: weight {tail!r} is not a number; write "
-                                 "PATH[:WEIGHT][@EXPERT], e.g. style.safetensors:0.8") from None
-            path = head
-        if not path:
-            raise InvalidInputError(f"--lora {text!r} names no file; write PATH[:WEIGHT][@EXPERT]")
-        return cls(path, weight, expert)
+class AdaptedCard(Protocol):
+    """What an :class:`AdapterSet` reads of a model's card (a
+    :class:`~flowseam.models.base.ModelCard` is one)."""
 
     @property
-    def key(self) -> tuple[str, str | None]:
-        """(absolute path, expert): what identifies a loaded adapter."""
-        return str(Path(self.path).expanduser().resolve()), self.expert
+    def name(self) -> str: ...  # the card's name, in error messages
+
+    @property
+    def pipeline_class(self) -> str: ...  # the diffusers pipeline whose LoRA reader it uses
+
+    @property
+    def experts(self) -> tuple[str, ...]: ...  # the DiT experts' component names, high-noise first
 
 
-_SPEC_KEYS = ("path", "weight", "expert")
+class AdaptedModel(Protocol):
+    """What an :class:`AdapterSet` drives: a model's card and its DiT experts (component name →
+    ``torch.nn.Module``). A :class:`~flowseam.models.base.ModelInstance` is one. The adapters
+    need nothing else of it, so :mod:`flowseam.models.base`, which gives every model its set
+    (``model.adapters``), imports this module and this module imports no model."""
 
+    @property
+    def card(self) -> AdaptedCard: ...
 
-def normalize_lora(value: Any) -> tuple[LoraSpec, ...]:
-    """A request's adapter set as a hashable tuple of :class:`LoraSpec` from what users pass:
-    None, a spec, ``"PATH[:WEIGHT][@EXPERT]"``, a mapping ``{"path", "weight", "expert"}`` (the
-    HTTP API, TOML), or a list of those.
-
-    :raises ValueError: for anything else, or one adapter named twice for the same expert.
-    """
-    if value is None:
-        return ()
-    items = value if isinstance(value, (list, tuple)) else [value]
-    specs = []
-    for item in items:
-        if isinstance(item, LoraSpec):
-            specs.append(item)
-        elif isinstance(item, str):
-            specs.append(LoraSpec.parse(item))
-        elif isinstance(item, dict) and "path" in item and set(item) <= set(_SPEC_KEYS):
-            weight = item.get("weight", 1.0)
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                raise InvalidInputError(f"lora weight={weight!r} must be a number")
-            specs.append(LoraSpec(str(item["path"]), float(weight), item.get("expert")))
-        else:
-            raise InvalidInputError(f"lora={item!r}: give 'PATH[:WEIGHT][@EXPERT]' or "
-                             "{'path': ..., 'weight': ..., 'expert': ...}")
-    keys = [s.key for s in specs]
-    twice = sorted({k[0] for k in keys if keys.count(k) > 1})
-    if twice:
-        raise InvalidInputError(f"lora names {', '.join(twice)} twice; give each adapter once, with "
-                         "its weight")
-    return tuple(specs)
+    @property
+    def experts(self) -> Mapping[str, "torch.nn.Module"]: ...
 
 
 @dataclass
@@ -185,14 +134,15 @@ class _Expert:
 class AdapterSet:
     """The LoRA adapters of one model (``model.adapters``): read once, switched per request.
 
-    :param model: the :class:`~flowseam.models.base.ModelInstance` whose DiT experts it drives.
+    :param model: the model whose DiT experts it drives (:class:`AdaptedModel`: a
+        :class:`~flowseam.models.base.ModelInstance`).
     :param hotswap: ``True``/``False`` to force a switching mode for every expert; None (the
         default): hot-swap exactly the experts that are compiled (``torch.compile``).
     :param min_slot_rank: the smallest rank of a hot-swap slot (room for adapters loaded later
         without rebuilding it).
     """
 
-    def __init__(self, model: "ModelInstance", hotswap: bool | None = None,
+    def __init__(self, model: AdaptedModel, hotswap: bool | None = None,
                  min_slot_rank: int = 16) -> None:
         self.model = model
         self.force_hotswap = hotswap

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import loops  # noqa: F401  (registers the loops a loaded model runs: flowseam.runner)
 from .components import ComponentSpec, check_component_class
 from .console import library_output
 from .defaults import read_checkpoint_defaults

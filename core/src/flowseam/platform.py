@@ -27,6 +27,7 @@ from .faults import component_fault, describe, is_out_of_memory
 from .isolation import patch_watch
 from .kernels import BoundKernel, KernelTable
 from .plugins import PluginRecord, PluginRegistry, discover, load_without_discovery
+from .tables import format_table
 
 TERMINAL_DEVICE = "cpu"
 
@@ -205,8 +206,6 @@ class Platform:
 
         :param verbose: add each kernel's implementation id (what ``kernels.pin`` takes).
         """
-        from .console import format_table
-
         b = self.backend
         lines = [
             f"Platform: backend {self.name!r} ({b.distribution} {b.version}), "

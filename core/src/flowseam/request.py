@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidInputError, InvalidParameterError
+from .policies import normalize_cache, normalize_lora
 
 
 class TaskType(str, enum.Enum):
@@ -137,12 +138,13 @@ class DiffusionParams:
         repository) and MixGRPO (Li et al. 2025): the reward's spread then comes from the noise
         of those steps only, so the policy gradient is far less noisy per sample.
     :param max_sequence_length: text tokens kept by the text encoder.
-    :param lora: the request's LoRA adapter set: a tuple of :class:`flowseam.adapters.LoraSpec`
+    :param lora: the request's LoRA adapter set: a tuple of :class:`flowseam.policies.LoraSpec`
         (path, weight, expert); strings ``"PATH[:WEIGHT][@EXPERT]"`` and mappings are converted
-        (:func:`flowseam.adapters.normalize_lora`). Empty: the base model. Each file is read
+        (:func:`flowseam.policies.normalize_lora`). Empty: the base model. Each file is read
         once per model and switched per request (:mod:`flowseam.adapters`).
-    :param cache: the step-cache policy (:class:`flowseam.loops.step_cache.CachePolicy`, or
-        ``"NAME:THRESHOLD"``): skip the DiT on steps where its velocity changes little. None
+    :param cache: the step-cache policy (:class:`flowseam.policies.CachePolicy`, or
+        ``"NAME:THRESHOLD"``; :func:`flowseam.policies.normalize_cache`): skip the DiT on steps
+        where its velocity changes little (:mod:`flowseam.loops.step_cache`). None
         (the default): every step computed. Flow-match loop only (Wan T2V/I2V, FLUX.1).
     :param chunk_frames: (``wan_causal`` loop) latent frames per chunk (Self-Forcing's
         ``num_frame_per_block``).
@@ -194,14 +196,10 @@ class DiffusionParams:
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.lora:
-            from .adapters import normalize_lora
-
             object.__setattr__(self, "lora", normalize_lora(self.lora))
         elif self.lora is None:
             object.__setattr__(self, "lora", ())
         if self.cache is not None:
-            from .loops.step_cache import normalize_cache
-
             object.__setattr__(self, "cache", normalize_cache(self.cache))
         self.validate()
 

@@ -6,7 +6,14 @@ loop module exposes ``run(model, request, profile, progress, decode, step_callba
 LoopResult``, and calls ``step_callback(index, num_steps, latents)`` (:data:`StepCallback`) after
 every denoising step when one is given: progress reporting and cancellation at a step boundary
 (``flowseam serve``) hang on it. Loop modules share helpers from modules below them
-(:mod:`flowseam.noise`, :mod:`.records`) and never import each other, models or training.
+(:mod:`flowseam.noise`, :mod:`.records`, :mod:`.solvers`, :mod:`.step_cache`) and never import
+each other or training.
+
+Layers (``tests/test_layout.py``): the loops stand on the models (they drive a model's
+``encode`` / ``velocity`` / ``decode``) and the seam; training, serve and the CLI stand on them.
+``ModelInstance.generate`` reaches :func:`run_loop` and :func:`stream_loop` through
+:mod:`flowseam.runner`, where this package registers them when it is imported, so the model layer
+never imports the loops.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from .. import runner
 from ..request import GenerationRequest
 from . import causal, flow_match, ltx2
 from .causal import Chunk
@@ -119,6 +127,10 @@ def rollout_loop(model: "ModelInstance", request: GenerationRequest,
     without it the result is bit-identical to serving the same request."""
     return run_loop(model, request, profile=profile, decode=decode)
 
+
+# ModelInstance.generate / generate_stream run these (flowseam.runner: the models cannot import
+# the loops, which stand above them)
+runner.register(run=run_loop, stream=stream_loop)
 
 __all__ = ["BehaviorRecord", "Chunk", "ExecutionProfile", "LOOPS", "LoopResult", "RECOMPUTE",
            "STREAMS", "StepCallback", "check_no_module_cache", "record_velocity", "rollout_loop",

@@ -33,86 +33,23 @@ rather than 2B). A model with several DiT experts (Wan2.2) starts a fresh histor
 Threshold: a relative change of the velocity (0.05 = 5 %); 0 computes every step. Results
 report ``steps_computed`` / ``steps_skipped`` (steps where no branch ran the DiT) and the branch
 counts (``LoopResult.cache``).
+
+The request's value (:class:`CachePolicy`, from ``"NAME:THRESHOLD"`` or a mapping by
+:func:`normalize_cache`) is parsed in :mod:`flowseam.policies`, below the models and the loops,
+when the request is made; both names are re-exported here.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
+
 from ..errors import InvalidInputError
+# the request's policy value, parsed in the seam (DiffusionParams.cache); re-exported here
+from ..policies import POLICIES, CachePolicy, normalize_cache  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-#: policy name → how a skipped step's velocity is predicted
-POLICIES = ("reuse", "extrapolate")
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    """A request's step-cache policy (hashable; ``DiffusionParams.cache``).
-
-    :param name: ``"reuse"`` or ``"extrapolate"`` (module docstring).
-    :param threshold: the accumulated relative change of the velocity at which the DiT runs
-        again (>= 0; 0 computes every step).
-    :param warmup: the first steps always computed (>= 2).
-    :param max_skips: the most consecutive steps a branch may skip.
-    :param in_rollouts: allow the policy in RL rollouts with capture (off: such a rollout is
-        refused, since its log-probs would not be those of the model that is trained).
-    """
-
-    name: str
-    threshold: float
-    warmup: int = 2
-    max_skips: int = 3
-    in_rollouts: bool = False
-
-    def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise InvalidInputError(f"cache={self.name!r} is unknown; policies: {', '.join(POLICIES)}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
-                or not self.threshold >= 0:
-            raise InvalidInputError(f"cache threshold={self.threshold!r} must be a number >= 0")
-        if not isinstance(self.warmup, int) or self.warmup < 2:
-            raise InvalidInputError(f"cache warmup={self.warmup!r} must be an integer >= 2 (two computed "
-                             "steps measure the velocity's rate of change)")
-        if not isinstance(self.max_skips, int) or self.max_skips < 1:
-            raise InvalidInputError(f"cache max_skips={self.max_skips!r} must be an integer >= 1")
-
-    @classmethod
-    def parse(cls, text: str) -> "CachePolicy":
-        """``NAME:THRESHOLD`` (``--cache extrapolate:0.1``). :raises ValueError: naming the
-        value and what is allowed."""
-        match = re.fullmatch(r"([a-z_]+):([0-9.eE+-]+)", text.strip())
-        if not match:
-            raise InvalidInputError(f"--cache {text!r} must be NAME:THRESHOLD with NAME one of "
-                             f"{', '.join(POLICIES)}, e.g. extrapolate:0.1")
-        try:
-            threshold = float(match.group(2))
-        except ValueError:
-            raise InvalidInputError(f"--cache {text!r}: threshold {match.group(2)!r} is not a "
-                             "number") from None
-        return cls(match.group(1), threshold)
-
-    def __str__(self) -> str:
-        return f"{self.name}:{self.threshold:g}"
-
-
-def normalize_cache(value) -> CachePolicy | None:
-    """A request's cache policy from None, a :class:`CachePolicy`, ``"NAME:THRESHOLD"`` or a
-    mapping ``{"name", "threshold", ...}`` (the HTTP API, TOML). :raises ValueError: otherwise."""
-    if value is None or isinstance(value, CachePolicy):
-        return value
-    if isinstance(value, str):
-        return CachePolicy.parse(value)
-    if isinstance(value, dict) and "name" in value and "threshold" in value:
-        unknown = set(value) - set(CachePolicy.__dataclass_fields__)
-        if unknown:
-            raise InvalidInputError(f"cache has unknown keys {sorted(unknown)}; allowed: "
-                             f"{sorted(CachePolicy.__dataclass_fields__)}")
-        return CachePolicy(**value)
-    raise InvalidInputError(f"cache={value!r}: give 'NAME:THRESHOLD' or {{'name': ..., 'threshold': ...}}")
 
 
 def check_cache(policy: CachePolicy | None, capture: bool) -> None:

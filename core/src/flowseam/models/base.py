@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
+from .. import runner
+from ..adapters import AdapterSet
 from ..components import compute_dtype
 from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents with it)
 from ..request import DiffusionParams, GenerationRequest, TaskType
@@ -33,8 +35,6 @@ from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
 from ..errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..adapters import AdapterSet
-    from ..loops import Chunk, LoopResult
     from ..platform import Platform
 
 
@@ -243,8 +243,6 @@ class ModelInstance:
         """The model's LoRA adapters (:class:`flowseam.adapters.AdapterSet`): read once, switched
         per request by the loop (``DiffusionParams.lora``)."""
         if getattr(self, "_adapters", None) is None:
-            from ..adapters import AdapterSet
-
             self._adapters = AdapterSet(self)
         return self._adapters
 
@@ -291,8 +289,12 @@ class ModelInstance:
     # -- the public API --------------------------------------------------------------------
     def generate(self, prompt: str | list[str], *, image: Any = None,
                  params: DiffusionParams | None = None, seeds: list[int] | None = None,
-                 progress: bool = False) -> "LoopResult":
+                 progress: bool = False) -> Any:
         """Serve one request through the card's loop (flow-match, or the causal one).
+
+        The loop is :func:`flowseam.loops.run_loop` (``ExecutionProfile.SERVE``), reached through
+        :mod:`flowseam.runner`: the loops stand above the models, so this layer calls the entry
+        point they register instead of importing them.
 
         :param prompt: one prompt, or a list (one sample each).
         :param image: the conditioning image for I2V (PIL image, path, or ``(H, W, 3)`` float
@@ -302,27 +304,25 @@ class ModelInstance:
             float32 in [0, 1] (F = 1 for images).
         :raises ValueError: for invalid parameters (naming the value and what is allowed).
         """
-        from ..loops import ExecutionProfile, run_loop
-
         request = GenerationRequest(prompt=prompt, task=self.card.task,
                                     params=params or DiffusionParams(), image=image, seeds=seeds)
-        return run_loop(self, request, profile=ExecutionProfile.SERVE, progress=progress)
+        return runner.run(self, request, progress=progress)
 
     def generate_stream(self, prompt: str | list[str], *, params: DiffusionParams | None = None,
-                        seeds: list[int] | None = None, progress: bool = False) -> Iterator["Chunk"]:
+                        seeds: list[int] | None = None, progress: bool = False) -> Iterator[Any]:
         """Serve one request chunk by chunk (a causal checkpoint: the ``wan_causal`` loop),
         yielding each :class:`flowseam.loops.Chunk` as soon as it is decoded: ``.frames``
         ``(B, f, H, W, 3)`` float32 in [0, 1], ``.seconds`` since the request started; the last
-        chunk's ``.result`` is the whole video's :class:`~flowseam.loops.LoopResult`.
+        chunk's ``.result`` is the whole video's :class:`~flowseam.loops.LoopResult`. The loop is
+        :func:`flowseam.loops.stream_loop`, reached through :mod:`flowseam.runner` (as
+        :meth:`generate`).
 
         :raises ValueError: if the card's loop does not stream, or for invalid parameters
             (before any model runs: the parameters are checked on the first ``next()``).
         """
-        from ..loops import ExecutionProfile, stream_loop
-
         request = GenerationRequest(prompt=prompt, task=self.card.task,
                                     params=params or DiffusionParams(), seeds=seeds)
-        return stream_loop(self, request, profile=ExecutionProfile.SERVE, progress=progress)
+        return runner.stream(self, request, progress=progress)
 
     @property
     def defaults(self) -> dict[str, Any]:

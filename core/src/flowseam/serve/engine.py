@@ -408,7 +408,7 @@ class Engine:
         self.max_queue, self.max_batch, self.expire_after = max_queue, max_batch, expire_after
         self.store = JobStore(self.output_dir / "jobs.sqlite3")
         self.workers = {name: ModelWorker(name, model, self) for name, model in models.items()}
-        self.metrics = ServeMetrics(self)
+        self.metrics = ServeMetrics(self.workers, self.store.counts)
         self._lock = threading.RLock()
         self._active: dict[str, Job] = {}
         self._cancel: set[str] = set()

@@ -15,28 +15,43 @@ mix). Exported families:
 * ``flowseam_gpu_memory_allocated_bytes{device}`` / ``flowseam_gpu_memory_reserved_bytes{device}``:
   torch's CUDA caching allocator per GPU (no samples on a machine without CUDA);
 * the standard ``process_*`` family (CPU seconds, open files, ...).
+
+The metrics read the server's state through what the engine hands them (its workers and its job
+counts, :class:`ServeMetrics`), never the engine itself: :mod:`flowseam.serve.engine` imports this
+module, and this module imports no other part of the server.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Callable, Iterator, Mapping, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
-class ServeMetrics:
-    """The counters and histograms the workers update, and a collector for the rest."""
+class WorkerState(Protocol):
+    """What the gauges read of one model's worker (``flowseam.serve.engine.ModelWorker``)."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def queue_depth(self) -> int: ...  # jobs waiting for it
+
+    def is_alive(self) -> bool: ...  # whether its thread runs
+
+
+class ServeMetrics:
+    """The counters and histograms the workers update, and a collector for the rest.
+
+    :param workers: model id → its worker, read at every scrape (the engine's own mapping, so
+        the gauges follow it).
+    :param job_counts: returns the job table's ``{status: number of jobs}`` (``JobStore.counts``).
+    """
+
+    def __init__(self, workers: Mapping[str, WorkerState],
+                 job_counts: Callable[[], Mapping[str, int]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.step_seconds = Histogram("flowseam_step_seconds", "Wall time of one denoising step",
                                       ["model"], buckets=_STEP_BUCKETS, registry=self.registry)
@@ -45,17 +60,19 @@ class ServeMetrics:
         self.finished = Counter("flowseam_jobs_finished", "Jobs finished since the server started",
                                 ["model", "status"], registry=self.registry)
         ProcessCollector(registry=self.registry)
-        self.registry.register(_StateCollector(engine))
+        self.registry.register(_StateCollector(workers, job_counts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _StateCollector:
-    """Gauges read from the engine at scrape time."""
+    """Gauges read from the server's workers and job table at scrape time."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
+    def __init__(self, workers: Mapping[str, WorkerState],
+                 job_counts: Callable[[], Mapping[str, int]]) -> None:
+        self.workers = workers
+        self.job_counts = job_counts
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         import psutil
@@ -64,14 +81,14 @@ class _StateCollector:
                                   labels=["model"])
         up = GaugeMetricFamily("flowseam_worker_up", "1 while the model's worker runs",
                                labels=["model"])
-        for name, worker in self.engine.workers.items():
+        for name, worker in self.workers.items():
             depth.add_metric([name], worker.queue_depth())
             up.add_metric([name], 1.0 if worker.is_alive() else 0.0)
         yield depth
         yield up
         jobs = GaugeMetricFamily("flowseam_jobs", "Jobs in the job table by status",
                                  labels=["status"])
-        for status, count in self.engine.store.counts().items():
+        for status, count in self.job_counts().items():
             jobs.add_metric([status], count)
         yield jobs
         yield GaugeMetricFamily("flowseam_host_memory_rss_bytes", "Resident memory of the server",
