@@ -16,8 +16,7 @@ Under ``torch.compile`` (the accel backend compiles the DiT's repeated transform
 routed processor is excluded from tracing (``torch.compiler.disable``): each attention layer's
 processor (its projections, RoPE and the routed SDPA call) runs eagerly between the compiled
 graphs of its block, exactly as in an eager model, and the per-call check that the stock
-processor really called SDPA runs there too (accel's AOTInductor packages, ``flowseam_accel.aot``,
-trace the processor instead and turn only the routed SDPA call into a call of ``attn``). Tracing the mode instead broke every block into
+processor really called SDPA runs there too. Tracing the mode instead broke every block into
 many small graphs (dynamo cannot trace ``Tensor.unflatten``'s ``super()`` call under a
 ``TorchFunctionMode``), and dynamo compiles the mode's ``__torch_function__`` as a frame of its
 own, where the call counter would be traced away or guarded on. A compile-friendly route into
@@ -78,6 +77,12 @@ class RoutedAttnProcessor:
     def __init__(self, inner: Any, attn: Callable) -> None:
         self.inner = inner
         self._mode = _SDPARoute(attn)
+
+    @property
+    def calls(self) -> int:
+        """How many SDPA calls this processor has sent to ``attn`` so far (public: a backend or
+        a test checks with it that a compiled model's attention still goes through the seam)."""
+        return self._mode.calls
 
     @torch.compiler.disable  # eager between a compiled block's graphs (see the module docstring)
     def __call__(self, attn_module, *args, **kwargs):

@@ -5,29 +5,21 @@ compiled. The plugin hooks (:mod:`flowseam_accel.plugin`) only read these answer
 
 Torch device
     ``cuda:0`` if ``torch.cuda.is_available()``, else ``mps`` if Apple's Metal backend is, else
-    ``cpu``. ``FLOWSEAM_ACCEL_DEVICE=cpu`` (or ``cuda:1``, ``mps``) overrides the choice, e.g. to
-    run accel on the CPU of a GPU host.
+    ``cpu``. ``FLOWSEAM_ACCEL_DEVICE=cpu`` (or ``cuda:1``, ``mps``) overrides the choice.
 
 Arch chain (most specific rung first; a kernel registered at a rung runs on every host whose
 chain contains that rung)
-    * CPU: ``<machine>-<isa>`` rungs from ``torch.backends.cpu.get_cpu_capability()`` (the SIMD
-      level ATen and inductor's C++ codegen vectorize for), then ``<machine>``, then
-      ``generic``. The x86 ISA levels nest, so an AVX-512 host also lists ``avx2``::
-
-          x86_64 + AVX512  -> ["x86_64-avx512", "x86_64-avx2", "x86_64", "generic"]
-          x86_64 + AVX2    -> ["x86_64-avx2", "x86_64", "generic"]
-          aarch64 + SVE256 -> ["aarch64-sve256", "aarch64", "generic"]
-          x86_64, no AVX   -> ["x86_64", "generic"]
-
+    * CPU: ``<machine>-<isa>`` from ``torch.backends.cpu.get_cpu_capability()`` (the SIMD level
+      inductor's C++ code vectorizes for), then ``<machine>``, then ``generic``; the x86 levels
+      nest (``["x86_64-avx512", "x86_64-avx2", "x86_64", "generic"]`` on an AVX-512 host), and
       ``platform.machine()`` is normalized (``AMD64`` -> ``x86_64``, ``arm64`` -> ``aarch64``).
-    * CUDA: ``["cuda-sm<major><minor>", "cuda", "generic"]`` (triton codegen targets the
-      device's compute capability).
-    * MPS: ``["mps", "generic"]``.
+    * CUDA: ``["cuda-sm<major><minor>", "cuda", "generic"]``; MPS: ``["mps", "generic"]``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import platform
 import shutil
@@ -52,15 +44,9 @@ def torch_device() -> torch.device:
         return torch.device(forced)
     if torch.cuda.is_available():
         return torch.device("cuda", 0)
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
-
-
-def _machine() -> str:
-    m = platform.machine().strip().lower()
-    return _MACHINE_ALIASES.get(m, m)
 
 
 def cpu_arch_chain(machine: str, capability: str) -> list[str]:
@@ -72,7 +58,8 @@ def cpu_arch_chain(machine: str, capability: str) -> list[str]:
     rungs: list[str] = []
     if machine and isa not in ("", "default", "noavx"):
         if machine == "x86_64" and isa in _X86_LADDER:
-            rungs += [f"{machine}-{level}" for level in reversed(_X86_LADDER[:_X86_LADDER.index(isa) + 1])]
+            levels = _X86_LADDER[:_X86_LADDER.index(isa) + 1]
+            rungs += [f"{machine}-{level}" for level in reversed(levels)]
         else:
             rungs.append(f"{machine}-{isa}")
     if machine:
@@ -89,16 +76,17 @@ def arch_chain() -> tuple[str, ...]:
         return (f"cuda-sm{major}{minor}", "cuda", "generic")
     if dev.type == "mps":
         return ("mps", "generic")
-    return tuple(cpu_arch_chain(_machine(), torch.backends.cpu.get_cpu_capability()))
+    return tuple(cpu_arch_chain(platform.machine(), torch.backends.cpu.get_cpu_capability()))
 
 
 @functools.cache
 def compile_unsupported_reason() -> str:
     """Why ``torch.compile`` cannot run on accel's device here, or ``""`` when it can.
 
-    Cheap checks only (no compilation): dynamo supports this Python, inductor has its code
-    generator for the device (a C++ compiler for the CPU, triton for CUDA). Importing
-    ``torch._dynamo`` costs about a second, once per process.
+    Cheap checks only (no compilation): dynamo supports this Python (torch's own check; importing
+    dynamo costs about a second, once per process), and inductor has its code generator for the
+    device: a C++ compiler for the CPU (``$CXX``, else ``g++``; ``clang++`` on macOS), triton for
+    CUDA.
     """
     if not hasattr(torch, "compile"):
         return f"torch {torch.__version__} has no torch.compile (accel needs torch>=2.6)"
@@ -107,22 +95,13 @@ def compile_unsupported_reason() -> str:
 
         check_if_dynamo_supported()
     except Exception as exc:  # torch says why (Python version, free-threaded build, ...)
-        return (f"torch.compile does not support this Python ({sys.version.split()[0]}): {exc}")
+        return f"torch.compile does not support this Python ({sys.version.split()[0]}): {exc}"
     dev = torch_device()
     if dev.type == "cpu":
-        from torch._inductor import config as inductor_config
-
-        # inductor searches config.cpp.cxx (its last entry is $CXX or g++ / clang++ on macOS)
-        candidates = inductor_config.cpp.cxx
-        candidates = [candidates] if isinstance(candidates, str) else [c for c in candidates if c]
-        cxx = candidates[-1] if candidates else "g++"
-        if not any(shutil.which(c) for c in candidates):
+        cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+        if not shutil.which(cxx):
             return (f"torch.compile's CPU code generator needs a C++ compiler and {cxx!r} is not "
                     "on PATH; install one (e.g. apt-get install g++) or set CXX")
-    elif dev.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        if not has_triton():
-            return ("torch.compile on CUDA needs triton, which does not import here; "
-                    "pip install triton matching your torch")
+    elif dev.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "torch.compile on CUDA needs triton, which is not installed; pip install triton"
     return ""
