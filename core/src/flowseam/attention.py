@@ -110,15 +110,6 @@ def routed_processor(inner: Any, attn: Callable) -> RoutedAttnProcessor:
     return _routed_class(type(inner))(inner, attn)
 
 
-def stock_processor(processor: Any) -> bool:
-    """Whether ``processor`` is one of diffusers' own attention processors, routed by
-    :func:`routed_processor` or not: a processor that keeps no state between calls (unlike
-    :mod:`flowseam.causal_attention`'s, which write a KV cache)."""
-    inner = getattr(processor, "inner", processor)
-    return type(inner).__module__.startswith("diffusers.") and (
-        processor is inner or type(processor) is _routed_class(type(inner)))
-
-
 def route_attention(model: Any, attn: Callable) -> Callable[[], None]:
     """Send every attention call of diffusers ``model`` (a ``ModelMixin`` with attention
     processors: WanTransformer3DModel, FluxTransformer2DModel, LTX2VideoTransformer3DModel, ...)

@@ -49,19 +49,6 @@ def reuse_across_steps() -> Iterator[None]:
         _LOCAL.outputs = None
 
 
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Within this block, installed submodules run as usual even inside a scope, and store
-    nothing in it (accel's AOT export runs attention modules on fake tensors, which must neither
-    hit nor fill the scope's outputs). The scope's outputs are as before afterwards."""
-    saved = getattr(_LOCAL, "outputs", None)
-    _LOCAL.outputs = None
-    try:
-        yield
-    finally:
-        _LOCAL.outputs = saved
-
-
 def _same_input(x: torch.Tensor, seen: torch.Tensor, version: int) -> bool:
     """``x`` is the tensor seen before, unchanged, or one with the same layout and the same
     bits (a view the DiT cut again from a new concatenation of the same values)."""
@@ -116,9 +103,3 @@ def install(module: torch.nn.Module, suffixes: tuple[str, ...]) -> list[str]:
             continue
         names.append(name)
     return names
-
-
-def reuses_outputs(module: torch.nn.Module) -> bool:
-    """Whether :func:`install` gave ``module`` the reusing forward (a compiler that traces the
-    DiT keeps such a module a call of its own, or it would recompute it at every step)."""
-    return getattr(module.__dict__.get("forward"), "__func__", None) is _reusing_forward
