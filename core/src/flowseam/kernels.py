@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .declarations import Provenance
-from .errors import FlowseamError, KernelPinError, UnknownOpError
+from .errors import KernelPinError, PluginFaultError, UnknownOpError
 from .faults import describe, is_out_of_memory, kernel_fault
 
 
@@ -41,9 +41,9 @@ class BoundKernel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.fn(*args, **kwargs)
-        except FlowseamError:
+        except PluginFaultError:  # a kernel that calls another: already named
             raise
-        except Exception as exc:
+        except Exception as exc:  # the op's argument checks (InvalidInputError) included
             if is_out_of_memory(exc):
                 raise
             raise kernel_fault(self.provenance, describe(exc), exc) from exc
