@@ -118,13 +118,35 @@ def test_x0_renoise_sampler_draws_fresh_noise_and_none_at_the_last_step(cpu):
                for a, b in zip(gens, mine))
 
 
-def test_sde_window_steps_sde_inside_and_the_sampler_outside(cpu):
-    """``sde_window=(1, 2)``: step 1 is Flow-GRPO's SDE step (the oracle's mean and log-prob with
-    the same noise), steps 0 and 2 the sampler's (x0 + re-noise here, as the causal loop)."""
+def test_sde_window_steps_sde_inside_and_the_ode_outside(cpu):
+    """Flow-GRPO's window on a stochastic-sampling checkpoint (the flow_match loop): outside
+    ``sde_window=(1, 2)`` the steps are the ODE's Euler steps (no noise drawn), step 1 the SDE
+    step with the generators' first draw."""
+    x, vs = _inputs()
+    params = DiffusionParams(sde_rollout=True, sde_window=(1, 2), noise_level=0.7)
+    gens, mine = _gens(13, 2), _gens(13, 2)
+    solve = SolverSteps(cpu.kernels, params, gens, sampler=X0_RENOISE)
+    steps = _run(solve, x, vs)
+    assert [s.log_prob is not None for s in steps] == [False, True, False]
+    after0 = reference.flow_match_step(x.numpy(), vs[0].numpy(), SIGMAS[0], SIGMAS[1])
+    np.testing.assert_allclose(steps[0].next_latents.numpy(), after0, rtol=1e-5, atol=1e-6)
+    want = reference.flow_sde_step(steps[0].next_latents.numpy(), vs[1].numpy(), SIGMAS[1],
+                                   SIGMAS[2], noise=_noise(mine, x.shape), noise_level=0.7,
+                                   sigma_max=SIGMAS[1])
+    np.testing.assert_allclose(steps[1].next_latents.numpy(), want.sample, rtol=1e-5, atol=1e-5)
+    after2 = reference.flow_match_step(steps[1].next_latents.numpy(), vs[2].numpy(), SIGMAS[2],
+                                       SIGMAS[3])
+    np.testing.assert_allclose(steps[2].next_latents.numpy(), after2, rtol=1e-5, atol=1e-6)
+    assert set(solve.impl_ids) == {ops.FLOW_SDE_STEP, ops.FLOW_MATCH_STEP}
+
+
+def test_sde_window_with_the_sampler_outside(cpu):
+    """``outside_window="sampler"`` (the causal loop): step 1 is Flow-GRPO's SDE step (the
+    oracle's mean and log-prob with the same noise), steps 0 and 2 Self-Forcing's x0 + re-noise."""
     x, vs = _inputs()
     params = DiffusionParams(sde_rollout=True, sde_window=(1, 2), noise_level=0.7)
     gens, mine = _gens(11, 2), _gens(11, 2)
-    solve = SolverSteps(cpu.kernels, params, gens, sampler=X0_RENOISE)
+    solve = SolverSteps(cpu.kernels, params, gens, sampler=X0_RENOISE, outside_window="sampler")
     steps = _run(solve, x, vs)
     assert [s.log_prob is not None for s in steps] == [False, True, False]
     x0 = x.double().numpy() - SIGMAS[0] * vs[0].double().numpy()
@@ -169,3 +191,5 @@ def test_bad_sampler_refused(cpu):
         SolverSteps(cpu.kernels, DiffusionParams(), _gens(0, 1), sampler=(ops.FLOW_RENOISE,))
     with pytest.raises(ValueError, match="needs the checkpoint's solver config"):
         SolverSteps(cpu.kernels, DiffusionParams(), _gens(0, 1), sampler=(ops.UNIPC_STEP,))
+    with pytest.raises(ValueError, match="outside_window='sde'"):
+        SolverSteps(cpu.kernels, DiffusionParams(), _gens(0, 1), outside_window="sde")

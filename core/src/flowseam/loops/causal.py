@@ -98,7 +98,7 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
 
     # 4. Resolve the kernels once: the stepper with Self-Forcing's sampler.
     solve = SolverSteps(model.platform.kernels, params, generators, sampler=X0_RENOISE,
-                        model=model)
+                        outside_window="sampler", model=model)
     capture = profile is ExecutionProfile.ROLLOUT
     cache = model.new_cache(params) if params.kv_cache else None
     decoder = model.stream_decoder() if decode else None

@@ -15,6 +15,7 @@ loops are *inputs* to it:
 * the sigma schedule of each *stage* (:meth:`SolverSteps.start`): the whole run for
   ``flow_match``, each chunk for ``wan_causal`` (the same per-chunk schedule, the window counted
   per chunk), stage 1 and stage 2 for ``ltx2`` (steps numbered across the stages).
+* ``outside_window``: what an SDE rollout runs outside its ``sde_window`` (see below).
 * ``renoise=True`` for a run that re-noises between stages (LTX-2's stage 2 starts from the
   upsampled latents re-noised to the first refine sigma: :meth:`SolverSteps.renoise`).
 
@@ -26,9 +27,11 @@ What runs at a step:
   the output is the same as diffusers', which draws that noise and multiplies it by 0).
 * **an SDE rollout** (``sde_rollout=True``): Flow-GRPO's first-order steps on the *same* sigma
   schedule and DiT timesteps: ``flow_sde_step`` (with its Gaussian log-prob) inside the
-  ``sde_window`` (every step without one). Outside the window the step is the sampler's
-  first-order step: the sampler itself for Euler and x0 + re-noise, the Euler step
-  ``flow_match_step`` for a multistep sampler. Decision: UniPC is not used in a rollout at all:
+  ``sde_window`` (every step without one). Outside the window the step is the probability-flow
+  ODE's Euler step ``flow_match_step`` (Flow-GRPO's window: deterministic steps around it),
+  whatever the checkpoint serves with; a loop whose sampler is the only one its model is trained
+  for passes it as ``outside_window`` (the causal loop: Self-Forcing's x0 + re-noise, counted
+  per chunk). Decision: UniPC is not used in a rollout at all:
   its corrector rewrites the previous step's output after the DiT has seen it, so a step would no
   longer be the Gaussian transition whose log-prob was recorded (Flow-GRPO's likelihood ratio
   needs each step to be one); on a UniPC schedule the first sigma, ``1 - 1e-6``, is taken as 1
@@ -92,6 +95,8 @@ class SolverSteps:
         as :data:`X0_RENOISE`).
     :param config: the checkpoint's solver, for UniPC's per-step order and corrector.
     :param renoise: resolve ``flow_renoise`` for :meth:`renoise` (a stage that starts re-noised).
+    :param outside_window: what an SDE rollout runs outside its ``sde_window``: ``"ode"`` (the
+        Euler step, the default) or ``"sampler"`` (the serving sampler; not a multistep one).
     :param model: the model whose DiT computes the velocities, to name its plugin when a
         velocity is non-finite (:func:`flowseam.faults.check_step`).
     :param pinned: implementation ids to pin instead of looking ops up (:meth:`recompute`).
@@ -103,7 +108,7 @@ class SolverSteps:
                  generators: Sequence[torch.Generator], *,
                  sampler: Sequence[str] = (ops.FLOW_MATCH_STEP,),
                  config: "SolverConfig | None" = None, renoise: bool = False, model: Any = None,
-                 pinned: Iterable[str] = ()) -> None:
+                 outside_window: str = "ode", pinned: Iterable[str] = ()) -> None:
         sampler = tuple(sampler)
         if sampler not in ((ops.FLOW_MATCH_STEP,), X0_RENOISE, (ops.UNIPC_STEP,)):
             raise InvalidInputError(f"sampler {'+'.join(sampler)!r}: flowseam's stepper runs "
@@ -114,8 +119,13 @@ class SolverSteps:
         self.params, self.generators, self.model, self.config = params, list(generators), model, config
         self.sde = bool(params.sde_rollout)
         self.window = range(*params.sde_window) if params.sde_window is not None else None
-        #: what runs where the SDE does not: the sampler, or Euler in place of a multistep one
-        self.sampler = (ops.FLOW_MATCH_STEP,) if self.sde and sampler == (ops.UNIPC_STEP,) else sampler
+        if outside_window not in ("ode", "sampler") or (
+                outside_window == "sampler" and sampler == (ops.UNIPC_STEP,)):
+            raise InvalidInputError(f"outside_window={outside_window!r}: 'ode', or 'sampler' for "
+                                    "a single-step sampler")
+        #: what runs where the SDE does not: the serving sampler, or in an SDE rollout the Euler
+        #: step unless the loop asked for its sampler
+        self.sampler = (ops.FLOW_MATCH_STEP,) if self.sde and outside_window == "ode" else sampler
         needed = ([ops.FLOW_SDE_STEP] if self.sde else []) + (
             list(self.sampler) if not self.sde or self.window is not None else [])
         if renoise or (ops.FLOW_RENOISE in needed):
