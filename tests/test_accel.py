@@ -137,6 +137,29 @@ def test_unavailable_with_the_reason_when_torch_compile_cannot_run(monkeypatch):
         False, "torch.compile's CPU code generator needs a C++ compiler")
 
 
+@pytest.mark.parametrize("forced,reason", [
+    ("bogus", "FLOWSEAM_ACCEL_DEVICE='bogus' is not a torch device"),
+    ("cuda:1", "FLOWSEAM_ACCEL_DEVICE='cuda:1', but torch"),
+])
+def test_a_forced_device_that_cannot_run_makes_accel_unavailable_naming_the_variable(
+        monkeypatch, forced, reason):
+    if forced.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the forced device is usable")
+    monkeypatch.setenv("FLOWSEAM_ACCEL_DEVICE", forced)
+    for fn in (device.torch_device, device.arch_chain, device.compile_unsupported_reason):
+        fn.cache_clear()
+    try:
+        assert device.compile_unsupported_reason().startswith(reason)
+        assert device.torch_device().type != "cuda" and device.arch_chain()[-1] == "generic"
+        monkeypatch.delenv("FLOWSEAM_ACCEL_DEVICE")
+        for fn in (device.torch_device, device.arch_chain, device.compile_unsupported_reason):
+            fn.cache_clear()
+        assert not device.compile_unsupported_reason().startswith("FLOWSEAM_ACCEL_DEVICE")
+    finally:
+        for fn in (device.torch_device, device.arch_chain, device.compile_unsupported_reason):
+            fn.cache_clear()
+
+
 @pytest.mark.parametrize("machine,capability,chain", [
     ("x86_64", "AVX512", ["x86_64-avx512", "x86_64-avx2", "x86_64", "generic"]),
     ("AMD64", "AVX2", ["x86_64-avx2", "x86_64", "generic"]),

@@ -30,22 +30,14 @@ What accel provides, and what it leaves to cpu on purpose
       to cpu is exercised wherever accel runs, and ``platform.explain()`` shows it.
 
 Compile time, and warm starts
-    Compilation is lazy and happens once per compiled function and input signature
-    (:mod:`flowseam_accel.compiled` books those seconds apart: :func:`compile_report`). Within a
-    process, a DiT's repeated blocks share one block's graphs, and with dynamic shapes a new
-    resolution is not a new signature. Across processes, torch.compile's own caches serve warm
-    starts: inductor's FX graph cache (``torch._inductor.config.fx_graph_cache``, on by default)
-    stores the generated code and the compiled C++/triton kernels, keyed by a hash of the traced
-    graph, its input metadata, the torch version and the inductor config, and the AOTAutograd
-    cache (``torch._functorch.config.enable_autograd_cache``, on by default) stores the
-    forward/backward split on top of it. Both live under ``TORCHINDUCTOR_CACHE_DIR`` (default
-    ``/tmp/torchinductor_<user>``). A later process still traces with dynamo (regional
-    compilation keeps that to one block per block class) and then loads instead of compiling.
-    To keep the cache across machines or CI runs, point ``TORCHINDUCTOR_CACHE_DIR`` at a
-    persistent directory, or ship the artifacts with ``torch.compiler.save_cache_artifacts()``
-    / ``load_cache_artifacts()``; a change of torch, of this package's code or of the inductor
-    config is a new key (a recompile, never a wrong result). ``TORCHINDUCTOR_FX_GRAPH_CACHE=0``
-    turns the cache off, to measure a cold compile.
+    Compilation is lazy, once per compiled function and input signature
+    (:func:`compile_report` books those seconds apart); a DiT's repeated blocks share one
+    block's graphs, and with dynamic shapes a new resolution is not a new signature. Across
+    processes torch.compile's own caches serve warm starts: inductor's FX graph cache (generated
+    code and compiled kernels, keyed by the traced graph, its inputs, the torch version and the
+    inductor config) and the AOTAutograd cache, both under ``TORCHINDUCTOR_CACHE_DIR``. A later
+    process still traces with dynamo, then loads instead of compiling; a changed key is a
+    recompile, never a wrong result.
 """
 
 from .compiled import compile_report, reset_compile_report

@@ -1,19 +1,11 @@
 """Which torch device accel runs on, its arch chain, and whether torch.compile works there.
 
-Everything here is detected once per process (``functools.cache``) and is cheap: nothing is
-compiled. The plugin hooks (:mod:`flowseam_accel.plugin`) only read these answers.
-
-Torch device
-    ``cuda:0`` if ``torch.cuda.is_available()``, else ``mps`` if Apple's Metal backend is, else
-    ``cpu``. ``FLOWSEAM_ACCEL_DEVICE=cpu`` (or ``cuda:1``, ``mps``) overrides the choice.
-
-Arch chain (most specific rung first; a kernel registered at a rung runs on every host whose
-chain contains that rung)
-    * CPU: ``<machine>-<isa>`` from ``torch.backends.cpu.get_cpu_capability()`` (the SIMD level
-      inductor's C++ code vectorizes for), then ``<machine>``, then ``generic``; the x86 levels
-      nest (``["x86_64-avx512", "x86_64-avx2", "x86_64", "generic"]`` on an AVX-512 host), and
-      ``platform.machine()`` is normalized (``AMD64`` -> ``x86_64``, ``arm64`` -> ``aarch64``).
-    * CUDA: ``["cuda-sm<major><minor>", "cuda", "generic"]``; MPS: ``["mps", "generic"]``.
+Detected once per process and cheap (nothing is compiled); the hooks only read these answers.
+The arch chain, most specific rung first (a kernel registered at a rung runs on every host whose
+chain contains it): on the CPU ``<machine>-<isa>`` from ``torch.backends.cpu.get_cpu_capability()``
+(the SIMD level inductor vectorizes for; the x86 levels nest: ``["x86_64-avx512",
+"x86_64-avx2", "x86_64", "generic"]``), then ``<machine>``, then ``generic``; on CUDA
+``["cuda-sm<major><minor>", "cuda", "generic"]``; on MPS ``["mps", "generic"]``.
 """
 
 from __future__ import annotations
@@ -31,16 +23,30 @@ import torch
 DEVICE_ENV = "FLOWSEAM_ACCEL_DEVICE"
 
 _MACHINE_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
-# x86 SIMD levels as torch.backends.cpu.get_cpu_capability() names them, weakest first; a host
-# at one level runs code written for every level below it.
+# x86 SIMD levels (get_cpu_capability()'s names), weakest first: each runs the ones below it
 _X86_LADDER = ("avx2", "avx512")
+
+
+def forced_device_problem() -> str:
+    """Why ``FLOWSEAM_ACCEL_DEVICE`` names no usable device here, or ``""`` (also when unset)."""
+    forced = os.environ.get(DEVICE_ENV, "").strip()
+    try:
+        dev = torch.device(forced) if forced else None
+    except RuntimeError as exc:
+        return f"{DEVICE_ENV}={forced!r} is not a torch device: {exc}"
+    usable = {"cuda": torch.cuda.is_available,
+              "mps": lambda: torch.backends.mps.is_available()}.get(getattr(dev, "type", ""))
+    if usable is not None and not usable():
+        return f"{DEVICE_ENV}={forced!r}, but torch {torch.__version__} sees no {dev.type} device"
+    return ""
 
 
 @functools.cache
 def torch_device() -> torch.device:
-    """The torch device accel builds components on: override, else cuda, else mps, else cpu."""
+    """The torch device accel builds components on: override, else cuda, else mps, else cpu (a
+    bad override too: :func:`compile_unsupported_reason` then makes accel unavailable)."""
     forced = os.environ.get(DEVICE_ENV, "").strip()
-    if forced:
+    if forced and not forced_device_problem():
         return torch.device(forced)
     if torch.cuda.is_available():
         return torch.device("cuda", 0)
@@ -88,6 +94,8 @@ def compile_unsupported_reason() -> str:
     device: a C++ compiler for the CPU (``$CXX``, else ``g++``; ``clang++`` on macOS), triton for
     CUDA.
     """
+    if forced_device_problem():
+        return forced_device_problem()
     if not hasattr(torch, "compile"):
         return f"torch {torch.__version__} has no torch.compile (accel needs torch>=2.6)"
     try:
