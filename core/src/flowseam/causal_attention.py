@@ -211,8 +211,9 @@ def route_causal_attention(model: Any, attention: Callable, cached_attention: Ca
         else:
             processors[name] = RoutedAttnProcessor(proc, attention)
     if not any(isinstance(p, CausalSelfAttnProcessor) for p in processors.values()):
-        raise InvalidInputError(f"{type(model).__name__} has no blocks.<i>.attn1 self-attention to make "
-                         "causal; the wan_causal loop drives WanTransformer3DModel")
+        raise InvalidInputError(
+            f"{type(model).__name__} has no blocks.<i>.attn1 self-attention to make "
+            "causal; the wan_causal loop drives WanTransformer3DModel")
     model.set_attention_backend("native")
     model.set_attn_processor(processors)
     return state
@@ -227,8 +228,9 @@ def causal_state(model: Any) -> CausalAttention:
     for proc in model.attn_processors.values():
         if isinstance(proc, CausalSelfAttnProcessor):
             return proc.state
-    raise InvalidInputError(f"{type(model).__name__}'s self-attention is not routed for the causal loop "
-                     "(flowseam.causal_attention.route_causal_attention)")
+    raise InvalidInputError(
+        f"{type(model).__name__}'s self-attention is not routed for the causal loop "
+        "(flowseam.causal_attention.route_causal_attention)")
 
 
 def block_causal_mask(chunks: list[tuple[int, int]], tokens_per_frame: int,

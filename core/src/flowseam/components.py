@@ -51,7 +51,8 @@ class ComponentSpec:
 
     def __post_init__(self) -> None:
         if self.path is None and self.config is None:
-            raise InvalidInputError(f"ComponentSpec {self.name!r}: give a checkpoint path or a config")
+            raise InvalidInputError(
+                f"ComponentSpec {self.name!r}: give a checkpoint path or a config")
 
     def describe(self) -> str:
         where = f"{self.path}/{self.subfolder}" if self.path and self.subfolder else (self.path or "config")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
+
 from .errors import InvalidInputError
 
 
@@ -25,7 +26,8 @@ class BackendInfo:
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device.isidentifier():
-            raise InvalidInputError(f"BackendInfo.device={self.device!r} must be an identifier like 'cuda'")
+            raise InvalidInputError(
+                f"BackendInfo.device={self.device!r} must be an identifier like 'cuda'")
         if not isinstance(self.priority, int):
             raise InvalidInputError(f"BackendInfo.priority={self.priority!r} must be an int")
 
@@ -52,9 +54,11 @@ class KernelRegistration:
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
-            raise InvalidInputError(f"KernelRegistration(op={self.op!r}).fn={self.fn!r} is not callable")
+            raise InvalidInputError(
+                f"KernelRegistration(op={self.op!r}).fn={self.fn!r} is not callable")
         if not isinstance(self.arch, str) or not self.arch:
-            raise InvalidInputError(f"KernelRegistration(op={self.op!r}).arch={self.arch!r} must be a non-empty str")
+            raise InvalidInputError(
+                f"KernelRegistration(op={self.op!r}).arch={self.arch!r} must be a non-empty str")
 
 
 @dataclass(frozen=True)
@@ -91,16 +95,19 @@ class ConformanceExpectations:
                 continue
             if isinstance(value, (str, bytes)) or any(not isinstance(k, str) or not k
                                                       for k in value):
-                raise InvalidInputError(f"ConformanceExpectations.{name}={value!r} must be a list of kind "
-                                 "names, e.g. ['dit', 'vae']")
+                raise InvalidInputError(
+                    f"ConformanceExpectations.{name}={value!r} must be a list of kind "
+                    "names, e.g. ['dit', 'vae']")
             object.__setattr__(self, name, tuple(value))
         both = set(self.overrides or ()) & set(self.falls_back or ())
         if both:
-            raise InvalidInputError(f"ConformanceExpectations: kinds {sorted(both)} are listed both in "
-                             "overrides and in falls_back; a kind is one or the other")
+            raise InvalidInputError(
+                f"ConformanceExpectations: kinds {sorted(both)} are listed both in "
+                "overrides and in falls_back; a kind is one or the other")
         if self.torch_device is not None and not isinstance(self.torch_device, str):
-            raise InvalidInputError(f"ConformanceExpectations.torch_device={self.torch_device!r} must be "
-                             "a torch device string such as 'cuda:0'")
+            raise InvalidInputError(
+                f"ConformanceExpectations.torch_device={self.torch_device!r} must be "
+                "a torch device string such as 'cuda:0'")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 from typing import Any, Callable, Iterator
+
 from .errors import InvalidInputError
 
 #: Seconds discovery waits for one plugin's import (and for each of its hook calls).
@@ -62,7 +63,8 @@ def plugin_timeout() -> float | None:
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
-        raise InvalidInputError(f"{TIMEOUT_VAR}={raw!r} must be a number of seconds >= 0 (0: no limit)")
+        raise InvalidInputError(
+            f"{TIMEOUT_VAR}={raw!r} must be a number of seconds >= 0 (0: no limit)")
     return value or None
 
 

@@ -151,8 +151,9 @@ def read_image(image: Any) -> "Any":
     if isinstance(image, Image.Image):
         w, h = image.size
         if w * h > MAX_IMAGE_PIXELS:
-            raise InvalidInputError(f"image is {w}x{h} = {w * h:,} pixels, over flowseam's limit of "
-                             f"{MAX_IMAGE_PIXELS:,}")
+            raise InvalidInputError(
+                f"image is {w}x{h} = {w * h:,} pixels, over flowseam's limit of "
+                f"{MAX_IMAGE_PIXELS:,}")
         return _to_rgb(ImageOps.exif_transpose(image), "image")
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
@@ -172,16 +173,19 @@ def read_image(image: Any) -> "Any":
                 im = ImageOps.exif_transpose(im)
                 return _to_rgb(im, str(path))
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise InvalidInputError(f"image {path} is over the pixel limit (a decompression bomb?); it "
-                             f"was not decoded: {exc}") from exc
+            raise InvalidInputError(
+                f"image {path} is over the pixel limit (a decompression bomb?); it "
+                f"was not decoded: {exc}") from exc
         except UnidentifiedImageError as exc:
             raise InvalidInputError(f"image {path} is not an image PIL can read ({exc})") from exc
         except (OSError, SyntaxError) as exc:
-            raise InvalidInputError(f"image {path} cannot be decoded (truncated or corrupt?): {exc}") from exc
+            raise InvalidInputError(
+                f"image {path} cannot be decoded (truncated or corrupt?): {exc}") from exc
     if isinstance(image, np.ndarray):
         return _array_to_rgb(image)
-    raise InvalidInputError(f"image={type(image).__name__} is not supported; pass a PIL image, a path, "
-                     "or an (H, W, 3) float array in [0, 1]")
+    raise InvalidInputError(
+        f"image={type(image).__name__} is not supported; pass a PIL image, a path, "
+        "or an (H, W, 3) float array in [0, 1]")
 
 
 def _to_rgb(im: Any, name: str) -> Any:
@@ -194,12 +198,13 @@ def _to_rgb(im: Any, name: str) -> Any:
         a = np.asarray(im, dtype=np.int64)
         if a.size and (a.min() < 0 or a.max() > 65535):
             raise InvalidInputError(f"image {name} has mode {mode} with values outside 0..65535; "
-                             "convert it to 8- or 16-bit first")
+                                    "convert it to 8- or 16-bit first")
         grey = np.round(a / 257.0).astype(np.uint8)
         return Image.fromarray(grey, mode="L").convert("RGB")
     if mode == "F":
-        raise InvalidInputError(f"image {name} is a 32-bit float image (mode F), which has no defined "
-                         "white level; convert it to 8- or 16-bit first")
+        raise InvalidInputError(
+            f"image {name} is a 32-bit float image (mode F), which has no defined "
+            "white level; convert it to 8- or 16-bit first")
     if mode == "CMYK" and im.info.get("icc_profile"):
         import io
 
@@ -220,9 +225,11 @@ def _array_to_rgb(a: np.ndarray) -> Any:
     if a.dtype == np.uint8:
         return Image.fromarray(a, mode="RGB")
     if not np.issubdtype(a.dtype, np.floating):
-        raise InvalidInputError(f"image array has dtype {a.dtype}; expected float in [0, 1] or uint8")
+        raise InvalidInputError(
+            f"image array has dtype {a.dtype}; expected float in [0, 1] or uint8")
     if not np.isfinite(a).all():
-        raise InvalidInputError(f"image array has {int((~np.isfinite(a)).sum())} non-finite value(s)")
+        raise InvalidInputError(
+            f"image array has {int((~np.isfinite(a)).sum())} non-finite value(s)")
     lo, hi = float(a.min()), float(a.max())
     if lo < 0.0 or hi > 1.0:
         raise InvalidInputError(f"image array has values in [{lo:.4g}, {hi:.4g}]; expected [0, 1]")
@@ -328,8 +335,9 @@ class StreamingVideoWriter:
     def __init__(self, path: str | os.PathLike, fps: float = 8) -> None:
         self.path = Path(path)
         if self.path.suffix.lower() != ".mp4":
-            raise InvalidInputError(f"streamed output {self.path} must end in .mp4 (a fragmented MP4 "
-                             "plays while it is written)")
+            raise InvalidInputError(
+                f"streamed output {self.path} must end in .mp4 (a fragmented MP4 "
+                "plays while it is written)")
         self.fps = check_fps(fps)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         #: the temporary file, created with the first frames (inside ``with``, so that any
@@ -425,11 +433,13 @@ class StreamingVideoWriter:
 def _check_audio(audio: np.ndarray, sample_rate: int | None) -> np.ndarray:
     audio = np.asarray(audio, dtype=np.float32)
     if audio.ndim != 2 or audio.shape[0] not in (1, 2) or audio.shape[1] == 0:
-        raise InvalidInputError(f"audio has shape {audio.shape}; expected (channels, samples) with 1 or "
-                         "2 channels")
+        raise InvalidInputError(
+            f"audio has shape {audio.shape}; expected (channels, samples) with 1 or "
+            "2 channels")
     if not isinstance(sample_rate, int) or sample_rate <= 0:
-        raise InvalidInputError(f"sample_rate={sample_rate!r} must be a positive number of samples per "
-                         "second")
+        raise InvalidInputError(
+            f"sample_rate={sample_rate!r} must be a positive number of samples per "
+            "second")
     return np.ascontiguousarray(np.clip(audio, -1.0, 1.0))
 
 
@@ -489,16 +499,18 @@ def write_output(path: str | os.PathLike, frames: np.ndarray | None, fps: float 
     suffix = Path(path).suffix.lower()
     if suffix in AUDIO_SUFFIXES:
         if audio is None:
-            raise InvalidInputError(f"{path}: this output has no sound to write; use .png, .mp4 or .gif")
+            raise InvalidInputError(
+                f"{path}: this output has no sound to write; use .png, .mp4 or .gif")
         return write_audio(path, audio, sample_rate)
     if suffix in IMAGE_SUFFIXES:
         if frames.ndim == 4:
             if frames.shape[0] != 1:
                 raise InvalidInputError(f"{path}: a PNG holds one frame, got {frames.shape[0]}; "
-                                 f"use .mp4 or .gif for video")
+                                        f"use .mp4 or .gif for video")
             frames = frames[0]
         return write_image(path, frames)
     if suffix in VIDEO_SUFFIXES:
         return write_video(path, frames if frames.ndim == 4 else frames[None], fps=fps,
                            audio=audio, sample_rate=sample_rate)
-    raise InvalidInputError(f"output {path}: unsupported suffix {suffix!r}; use .png, .mp4, .gif or .wav")
+    raise InvalidInputError(
+        f"output {path}: unsupported suffix {suffix!r}; use .png, .mp4, .gif or .wav")

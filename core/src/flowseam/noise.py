@@ -4,6 +4,7 @@ share. It sits below both so neither imports the other for it."""
 from __future__ import annotations
 
 import torch
+
 from .errors import InvalidInputError
 
 

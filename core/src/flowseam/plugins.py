@@ -239,12 +239,14 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
             raise TypeError(f"flowseam_register_kernels() yielded {k!r}; "
                             "expected flowseam.KernelRegistration")
         if k.op not in ops.ALL_OPS:
-            raise InvalidInputError(f"kernel for unknown op {k.op!r}; known ops are {list(ops.ALL_OPS)}")
+            raise InvalidInputError(
+                f"kernel for unknown op {k.op!r}; known ops are {list(ops.ALL_OPS)}")
         if (k.op, k.arch) in seen:
             raise InvalidInputError(f"plugin registers op {k.op!r} at arch {k.arch!r} twice")
         seen.add((k.op, k.arch))
     if kernels and backend is None:
-        raise InvalidInputError("plugin registers kernels but declares no backend (flowseam_backend)")
+        raise InvalidInputError(
+            "plugin registers kernels but declares no backend (flowseam_backend)")
     rec.kernels = kernels
 
     kinds = tuple(_names(reg.call(rec, "flowseam_component_kinds"), "flowseam_component_kinds"))
@@ -254,8 +256,9 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
     classes = _names(reg.call(rec, "flowseam_component_classes"), "flowseam_component_classes")
     bad = [c for c in classes if len(c.split(".")) < 2 or not all(p.isidentifier() for p in c.split("."))]
     if bad:
-        raise InvalidInputError(f"flowseam_component_classes() returned {bad!r}; expected dotted class "
-                         "paths such as 'flowseam_myvendor.models.MyDiT'")
+        raise InvalidInputError(
+            f"flowseam_component_classes() returned {bad!r}; expected dotted class "
+            "paths such as 'flowseam_myvendor.models.MyDiT'")
     rec.component_classes = tuple(classes)
     rec.methods = _named_mapping(reg.call(rec, "flowseam_training_methods"), "flowseam_training_methods")
     rec.rewards = _named_mapping(reg.call(rec, "flowseam_rewards"), "flowseam_rewards")
@@ -286,7 +289,8 @@ def _arch_chain(result: Any) -> tuple[str, ...]:
     if "generic" not in chain:
         chain.append("generic")
     elif chain[-1] != "generic":
-        raise InvalidInputError(f"flowseam_arch_chain() returned {chain!r}; 'generic' must come last")
+        raise InvalidInputError(
+            f"flowseam_arch_chain() returned {chain!r}; 'generic' must come last")
     return tuple(chain)
 
 
@@ -314,8 +318,9 @@ def env_switch(var: str, default: bool) -> bool:
     if not value:
         return default
     if value not in SWITCH_ON + SWITCH_OFF:
-        raise InvalidInputError(f"{var}={raw!r} is not a switch: use one of {', '.join(SWITCH_ON)} (on) "
-                         f"or {', '.join(SWITCH_OFF)} (off)")
+        raise InvalidInputError(
+            f"{var}={raw!r} is not a switch: use one of {', '.join(SWITCH_ON)} (on) "
+            f"or {', '.join(SWITCH_OFF)} (off)")
     return value in SWITCH_ON
 
 

@@ -54,8 +54,9 @@ class LoraSpec:
             try:
                 weight = float(tail)
             except ValueError:
-                raise InvalidInputError(f"--lora {text!r}: weight {tail!r} is not a number; write "
-                                 "PATH[:WEIGHT][@EXPERT], e.g. style.safetensors:0.8") from None
+                raise InvalidInputError(
+                    f"--lora {text!r}: weight {tail!r} is not a number; write "
+                    "PATH[:WEIGHT][@EXPERT], e.g. style.safetensors:0.8") from None
             path = head
         if not path:
             raise InvalidInputError(f"--lora {text!r} names no file; write PATH[:WEIGHT][@EXPERT]")
@@ -93,12 +94,13 @@ def normalize_lora(value: Any) -> tuple[LoraSpec, ...]:
             specs.append(LoraSpec(str(item["path"]), float(weight), item.get("expert")))
         else:
             raise InvalidInputError(f"lora={item!r}: give 'PATH[:WEIGHT][@EXPERT]' or "
-                             "{'path': ..., 'weight': ..., 'expert': ...}")
+                                    "{'path': ..., 'weight': ..., 'expert': ...}")
     keys = [s.key for s in specs]
     twice = sorted({k[0] for k in keys if keys.count(k) > 1})
     if twice:
-        raise InvalidInputError(f"lora names {', '.join(twice)} twice; give each adapter once, with "
-                         "its weight")
+        raise InvalidInputError(
+            f"lora names {', '.join(twice)} twice; give each adapter once, with "
+            "its weight")
     return tuple(specs)
 
 
@@ -128,13 +130,15 @@ class CachePolicy:
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
-            raise InvalidInputError(f"cache={self.name!r} is unknown; policies: {', '.join(POLICIES)}")
+            raise InvalidInputError(
+                f"cache={self.name!r} is unknown; policies: {', '.join(POLICIES)}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
                 or not self.threshold >= 0:
             raise InvalidInputError(f"cache threshold={self.threshold!r} must be a number >= 0")
         if not isinstance(self.warmup, int) or self.warmup < 2:
-            raise InvalidInputError(f"cache warmup={self.warmup!r} must be an integer >= 2 (two computed "
-                             "steps measure the velocity's rate of change)")
+            raise InvalidInputError(
+                f"cache warmup={self.warmup!r} must be an integer >= 2 (two computed "
+                "steps measure the velocity's rate of change)")
         if not isinstance(self.max_skips, int) or self.max_skips < 1:
             raise InvalidInputError(f"cache max_skips={self.max_skips!r} must be an integer >= 1")
 
@@ -145,12 +149,12 @@ class CachePolicy:
         match = re.fullmatch(r"([a-z_]+):([0-9.eE+-]+)", text.strip())
         if not match:
             raise InvalidInputError(f"--cache {text!r} must be NAME:THRESHOLD with NAME one of "
-                             f"{', '.join(POLICIES)}, e.g. extrapolate:0.1")
+                                    f"{', '.join(POLICIES)}, e.g. extrapolate:0.1")
         try:
             threshold = float(match.group(2))
         except ValueError:
             raise InvalidInputError(f"--cache {text!r}: threshold {match.group(2)!r} is not a "
-                             "number") from None
+                                    "number") from None
         return cls(match.group(1), threshold)
 
     def __str__(self) -> str:
@@ -168,6 +172,7 @@ def normalize_cache(value) -> CachePolicy | None:
         unknown = set(value) - set(CachePolicy.__dataclass_fields__)
         if unknown:
             raise InvalidInputError(f"cache has unknown keys {sorted(unknown)}; allowed: "
-                             f"{sorted(CachePolicy.__dataclass_fields__)}")
+                                    f"{sorted(CachePolicy.__dataclass_fields__)}")
         return CachePolicy(**value)
-    raise InvalidInputError(f"cache={value!r}: give 'NAME:THRESHOLD' or {{'name': ..., 'threshold': ...}}")
+    raise InvalidInputError(
+        f"cache={value!r}: give 'NAME:THRESHOLD' or {{'name': ..., 'threshold': ...}}")

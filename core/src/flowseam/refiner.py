@@ -258,7 +258,8 @@ class PromptRefiner:
         from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
         if len(seeds) != len(prompts):
-            raise InvalidInputError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one each")
+            raise InvalidInputError(
+                f"seeds has {len(seeds)} entries for {len(prompts)} prompts; give one each")
         s = sampling or self.sampling
         tok = self.tokenizer
         ids, mask = self.encode(prompts)

@@ -241,8 +241,9 @@ class DiffusionParams:
         """
         for name in CARD_SPECIFIC:
             if getattr(self, name) is not None and name not in defaults:
-                raise InvalidInputError(f"{name}={getattr(self, name)!r} is not a parameter of this model "
-                                 "(it applies to LTX-2 checkpoints); leave it unset")
+                raise InvalidInputError(
+                    f"{name}={getattr(self, name)!r} is not a parameter of this model "
+                    "(it applies to LTX-2 checkpoints); leave it unset")
         filled = {k: v for k, v in defaults.items()
                   if k in self.__dataclass_fields__ and getattr(self, k) is None}
         return dataclasses.replace(self, **filled)
@@ -289,7 +290,8 @@ class GenerationRequest:
                     f"the generator's maximum {MAX_SEED}")
             return [base + i for i in range(n)]
         if len(self.seeds) != n:
-            raise InvalidInputError(f"seeds has {len(self.seeds)} entries for {n} prompts; give one each")
+            raise InvalidInputError(
+                f"seeds has {len(self.seeds)} entries for {n} prompts; give one each")
         return [_check_number("seeds[]", s, int, 0, MAX_SEED) for s in self.seeds]
 
 
@@ -302,7 +304,8 @@ def check_common(params: DiffusionParams, request: GenerationRequest | None = No
     if request is not None:
         prompts = request.prompts
         if not prompts or any(not isinstance(p, str) for p in prompts):
-            raise InvalidInputError(f"prompt={request.prompt!r} must be a string or a non-empty list of strings")
+            raise InvalidInputError(
+                f"prompt={request.prompt!r} must be a string or a non-empty list of strings")
         batch = len(prompts)
         request.sample_seeds(params)  # every seed in the generator's range
     for name in ("num_steps", "height", "width"):
@@ -323,7 +326,7 @@ def check_no_causal(params: DiffusionParams, card: str) -> None:
         given.append("kv_cache=False")
     if given:
         raise InvalidInputError(f"{', '.join(given)}: {card} does not generate in chunks; these "
-                         "parameters are for a causal checkpoint (the wan_causal loop)")
+                                "parameters are for a causal checkpoint (the wan_causal loop)")
 
 
 def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
@@ -331,7 +334,7 @@ def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
     if value % multiple:
         lo = max(multiple, value // multiple * multiple)
         raise InvalidInputError(f"{name}={value} is not divisible by {multiple} ({why}); "
-                         f"try {lo} or {lo + multiple}")
+                                f"try {lo} or {lo + multiple}")
 
 
 def check_frames(num_frames: Any, factor: int, why: str) -> None:

@@ -254,7 +254,7 @@ class SolverConfig:
 
         if self.dynamic_shifting and mu is None:
             raise InvalidInputError(f"{self.file}: use_dynamic_shifting=True needs a resolution-"
-                             "dependent mu, which this pipeline does not pass")
+                                    "dependent mu, which this pipeline does not pass")
         scheduler = self.scheduler()
         kwargs = {"mu": mu} if mu is not None else {}
         if sigmas is not None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InvalidInputError
 from .loops import ExecutionProfile, LoopResult, StepCallback, run_loop
 from .models.base import ModelInstance
 from .request import CARD_SPECIFIC, DiffusionParams, GenerationRequest, TaskType
-from .errors import InvalidInputError
 
 
 @dataclass
@@ -43,9 +43,11 @@ class Workflow:
 
     def __init__(self, t2i: ModelInstance, i2v: ModelInstance) -> None:
         if TaskType.T2I not in t2i.card.tasks:
-            raise InvalidInputError(f"stage 1 of {self.name} must be text-to-image; got {t2i.card.name}")
+            raise InvalidInputError(
+                f"stage 1 of {self.name} must be text-to-image; got {t2i.card.name}")
         if TaskType.I2V not in i2v.card.tasks:
-            raise InvalidInputError(f"stage 2 of {self.name} must be image-to-video; got {i2v.card.name}")
+            raise InvalidInputError(
+                f"stage 2 of {self.name} must be image-to-video; got {i2v.card.name}")
         self.t2i, self.i2v = t2i, i2v
 
     @staticmethod

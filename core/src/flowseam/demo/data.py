@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+
 from ..errors import InvalidInputError
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -95,7 +96,8 @@ def moving_clip(image8: np.ndarray, direction: str, frames: int = 9, size: int =
     dy, dx = DIRECTIONS[direction]
     travel = step * (frames - 1)
     if (size - digit_size) // 2 < travel:
-        raise InvalidInputError(f"a {digit_size}px digit moving {travel}px leaves a {size}px canvas")
+        raise InvalidInputError(
+            f"a {digit_size}px digit moving {travel}px leaves a {size}px canvas")
     digit = upscale(image8, digit_size)
     out = np.zeros((frames, size, size), np.float32)
     y0 = x0 = (size - digit_size) // 2

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidInputError
 from ..request import DiffusionParams
 from .data import i2v_prompt, parse_prompt
-from ..errors import InvalidInputError
 
 #: the demo's prompts, in order (``--prompts N`` takes the first N)
 PROMPTS = tuple(i2v_prompt(d, direction) for d, direction in (

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from .. import runner
+from ..errors import InvalidInputError
 from ..request import GenerationRequest
 from . import causal, flow_match, ltx2
 from .causal import Chunk
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
-from ..errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.base import ModelInstance
@@ -88,7 +88,7 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
         loop = LOOPS[name]
     except KeyError:
         raise InvalidInputError(f"card {model.card.name} runs loop {name!r}; flowseam has "
-                         f"{sorted(LOOPS)}") from None
+                                f"{sorted(LOOPS)}") from None
     extra = {} if step_callback is None else {"step_callback": step_callback}
     return loop(model, request, profile=profile, progress=progress, decode=decode, **extra)
 
@@ -105,8 +105,9 @@ def stream_loop(model: "ModelInstance", request: GenerationRequest,
     check_no_module_cache(model)
     name = model.card.loops[0]
     if name not in STREAMS:
-        raise InvalidInputError(f"card {model.card.name} runs loop {name!r}, which does not stream; "
-                         f"streaming loops: {sorted(STREAMS)} (a causal checkpoint)")
+        raise InvalidInputError(
+            f"card {model.card.name} runs loop {name!r}, which does not stream; "
+            f"streaming loops: {sorted(STREAMS)} (a causal checkpoint)")
     return STREAMS[name](model, request, profile=profile, progress=progress, decode=decode,
                          step_callback=step_callback)
 

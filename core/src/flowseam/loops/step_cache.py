@@ -44,8 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..errors import InvalidInputError
 # the request's policy value, parsed in the seam (DiffusionParams.cache); re-exported here
+from ..errors import InvalidInputError
 from ..policies import POLICIES, CachePolicy, normalize_cache  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,10 +59,11 @@ def check_cache(policy: CachePolicy | None, capture: bool) -> None:
     :raises ValueError: naming the policy and how to allow it.
     """
     if policy is not None and capture and not policy.in_rollouts:
-        raise InvalidInputError(f"cache={policy} in an RL rollout: predicted velocities would make the "
-                         "recorded log-probs those of a cached model, not of the model that is "
-                         "trained; drop the cache, or pass CachePolicy(..., in_rollouts=True) "
-                         "to ask for it (its records then say so)")
+        raise InvalidInputError(
+            f"cache={policy} in an RL rollout: predicted velocities would make the "
+            "recorded log-probs those of a cached model, not of the model that is "
+            "trained; drop the cache, or pass CachePolicy(..., in_rollouts=True) "
+            "to ask for it (its records then say so)")
 
 
 @dataclass

@@ -35,15 +35,17 @@ def card_for_index(index: dict[str, Any], source: str = "model_index.json") -> M
     cls = index.get("_class_name")
     if "_flowseam_causal" in index:
         if cls != WAN_CAUSAL_T2V.pipeline_class:
-            raise InvalidInputError(f"{source}: _flowseam_causal is for WanPipeline checkpoints, not "
-                             f"_class_name={cls!r}")
+            raise InvalidInputError(
+                f"{source}: _flowseam_causal is for WanPipeline checkpoints, not "
+                f"_class_name={cls!r}")
         return WAN_CAUSAL_T2V
     matches = [c for c in CARDS.values() if c.pipeline_class == cls and c is not WAN_CAUSAL_T2V]
     if not matches:
         known = sorted({c.pipeline_class for c in CARDS.values()})
-        raise InvalidInputError(f"{source}: _class_name={cls!r} has no flowseam model card; known "
-                         f"pipeline classes: {known} (and WanPipeline with _flowseam_causal: "
-                         f"{WAN_CAUSAL_T2V.name})")
+        raise InvalidInputError(
+            f"{source}: _class_name={cls!r} has no flowseam model card; known "
+            f"pipeline classes: {known} (and WanPipeline with _flowseam_causal: "
+            f"{WAN_CAUSAL_T2V.name})")
     two = declared(index, "transformer_2") or index.get("boundary_ratio") is not None
     for card in matches:
         if (len(card.experts) > 1) == two:

@@ -29,10 +29,10 @@ import torch
 from .. import runner
 from ..adapters import AdapterSet
 from ..components import compute_dtype
+from ..errors import InvalidInputError
 from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents with it)
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
-from ..errors import InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..platform import Platform
@@ -281,8 +281,9 @@ class ModelInstance:
     def check_experts(self, params: DiffusionParams) -> None:
         """``guidance_scale_2`` only for a two-expert model (diffusers raises likewise)."""
         if params.guidance_scale_2 is not None and self.boundary_timestep is None:
-            raise InvalidInputError(f"guidance_scale_2={params.guidance_scale_2!r} is for two-expert "
-                             f"(Wan2.2) models; {self.card.name} has one DiT")
+            raise InvalidInputError(
+                f"guidance_scale_2={params.guidance_scale_2!r} is for two-expert "
+                f"(Wan2.2) models; {self.card.name} has one DiT")
         if params.guidance_scale_2 is not None and params.guidance_scale_2 < 0:
             raise InvalidInputError(f"guidance_scale_2={params.guidance_scale_2!r} must be >= 0")
 
@@ -420,8 +421,9 @@ class ModelInstance:
         """
         if TaskType.I2V in self.card.tasks:
             if request.image is None:
-                raise InvalidInputError(f"{self.card.name} is image-to-video: pass image= (a PIL image, "
-                                 "a path, or an (H, W, 3) float array in [0, 1])")
+                raise InvalidInputError(
+                    f"{self.card.name} is image-to-video: pass image= (a PIL image, "
+                    "a path, or an (H, W, 3) float array in [0, 1])")
             from ..media import read_image
 
             if not isinstance(request.image, (list, tuple)):
@@ -429,11 +431,13 @@ class ModelInstance:
                 return
             n = len(request.prompts)
             if not self.IMAGE_PER_SAMPLE:
-                raise InvalidInputError(f"{self.card.name} takes one image per request; got a list of "
-                                 f"{len(request.image)} images (run one request per image)")
+                raise InvalidInputError(
+                    f"{self.card.name} takes one image per request; got a list of "
+                    f"{len(request.image)} images (run one request per image)")
             if len(request.image) != n:
-                raise InvalidInputError(f"image is a list of {len(request.image)} images for {n} "
-                                 "prompt(s); give one image per prompt, or one image for all")
+                raise InvalidInputError(
+                    f"image is a list of {len(request.image)} images for {n} "
+                    "prompt(s); give one image per prompt, or one image for all")
             images = []
             for k, image in enumerate(request.image):
                 try:
@@ -444,7 +448,7 @@ class ModelInstance:
         elif request.image is not None:
             what = {TaskType.T2V: "text-to-video", TaskType.T2I: "text-to-image"}[self.card.task]
             raise InvalidInputError(f"{self.card.name} is {what} and takes no image; use an "
-                             "image-to-video checkpoint (wan2.1-i2v, ltx2-i2v)")
+                                    "image-to-video checkpoint (wan2.1-i2v, ltx2-i2v)")
 
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
         """Text (and image) conditioning for the B prompts: ``prompt_embeds (B, L, D)`` in the
@@ -494,7 +498,8 @@ class ModelInstance:
         name = self.expert_at(timestep) if expert is None else expert
         experts = self.experts
         if name not in experts:
-            raise InvalidInputError(f"expert={name!r}: {self.card.name} has experts {sorted(experts)}")
+            raise InvalidInputError(
+                f"expert={name!r}: {self.card.name} has experts {sorted(experts)}")
         return name, experts[name] if dit is None else dit
 
     def decode(self, latents: torch.Tensor, params: DiffusionParams) -> np.ndarray:

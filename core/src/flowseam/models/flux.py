@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InvalidInputError
 from ..request import (
     DiffusionParams,
     GenerationRequest,
@@ -34,7 +35,6 @@ from .base import (
     frames_to_pixels,
     postprocess,
 )
-from ..errors import InvalidInputError
 
 
 class FluxT2I(ModelInstance):
@@ -57,13 +57,16 @@ class FluxT2I(ModelInstance):
             check_multiple(name, getattr(params, name), multiple,
                            f"VAE factor {self.vae_scale_factor} x 2x2 latent packing")
         if params.num_frames not in (None, 1):
-            raise InvalidInputError(f"num_frames={params.num_frames!r}: {self.card.name} makes images; "
-                             "leave it unset or 1")
+            raise InvalidInputError(
+                f"num_frames={params.num_frames!r}: {self.card.name} makes images; "
+                "leave it unset or 1")
         if params.negative_prompt is not None:
-            raise InvalidInputError("negative_prompt is not supported by flux.1-t2i: FLUX.1-dev is guidance-"
-                             "distilled (guidance_scale is embedded, there is no unconditional pass)")
+            raise InvalidInputError(
+                "negative_prompt is not supported by flux.1-t2i: FLUX.1-dev is guidance-"
+                "distilled (guidance_scale is embedded, there is no unconditional pass)")
         if params.max_sequence_length > 512:
-            raise InvalidInputError(f"max_sequence_length={params.max_sequence_length} must be <= 512")
+            raise InvalidInputError(
+                f"max_sequence_length={params.max_sequence_length} must be <= 512")
         if request.image is not None:
             raise InvalidInputError(f"{self.card.name} is text-to-image and takes no image")
         return params.replace(num_frames=1)

@@ -165,20 +165,23 @@ class LTX2T2V(ModelInstance):
         check_frames(params.num_frames, self.vae_temporal, "LTX-2's video VAE")
         if params.lora or params.cache is not None:
             given = "lora" if params.lora else f"cache={params.cache}"
-            raise InvalidInputError(f"{given}: {self.card.name} runs the ltx2 loop, which does not apply "
-                             "LoRA sets or step caching yet (Wan and FLUX.1 cards do)")
+            raise InvalidInputError(
+                f"{given}: {self.card.name} runs the ltx2 loop, which does not apply "
+                "LoRA sets or step caching yet (Wan and FLUX.1 cards do)")
         if params.flow_shift is not None:
-            raise InvalidInputError(f"flow_shift={params.flow_shift!r} is not taken by {self.card.name}: "
-                             "its sigmas are shifted by the scheduler config's dynamic shift (mu from "
-                             "the video token count); leave flow_shift unset")
+            raise InvalidInputError(
+                f"flow_shift={params.flow_shift!r} is not taken by {self.card.name}: "
+                "its sigmas are shifted by the scheduler config's dynamic shift (mu from "
+                "the video token count); leave flow_shift unset")
         if self.solver.config.get("shift_terminal") and params.num_steps < 2:
             raise InvalidInputError(
                 f"num_steps={params.num_steps} must be >= 2 with this checkpoint's scheduler: its "
                 f"shift_terminal={self.solver.config['shift_terminal']} stretches the schedule "
                 "so that its last sigma lands there, which one step cannot do (diffusers gives NaN)")
         if params.stages not in (1, 2):
-            raise InvalidInputError(f"stages={params.stages!r} must be 1 (base resolution only) or 2 "
-                             "(base, latent upsample x2, refine)")
+            raise InvalidInputError(
+                f"stages={params.stages!r} must be 1 (base resolution only) or 2 "
+                "(base, latent upsample x2, refine)")
         if params.stages == 2 and "latent_upsampler" not in self.components:
             raise InvalidInputError(
                 f"stages=2 needs the latent upsampler, and {self.path} has no latent_upsampler/ "
@@ -192,19 +195,22 @@ class LTX2T2V(ModelInstance):
         for name in ("height", "width"):
             check_multiple(name, getattr(params, name), multiple, why)
         if not isinstance(params.frame_rate, (int, float)) or not params.frame_rate > 0:
-            raise InvalidInputError(f"frame_rate={params.frame_rate!r} must be a number of frames per "
-                             "second > 0")
+            raise InvalidInputError(
+                f"frame_rate={params.frame_rate!r} must be a number of frames per "
+                "second > 0")
         for name in ("audio_guidance_scale", "refine_guidance_scale"):
             if getattr(params, name) < 0:
                 raise InvalidInputError(f"{name}={getattr(params, name)!r} must be >= 0")
         sigmas = params.refine_sigmas
         if (not sigmas or any(not 0.0 < s <= 1.0 for s in sigmas)
                 or any(b >= a for a, b in zip(sigmas, sigmas[1:]))):
-            raise InvalidInputError(f"refine_sigmas={sigmas!r} must be a non-empty, strictly decreasing "
-                             f"list in (0, 1], e.g. {list(REFINE_SIGMAS)} (the distilled ones)")
+            raise InvalidInputError(
+                f"refine_sigmas={sigmas!r} must be a non-empty, strictly decreasing "
+                f"list in (0, 1], e.g. {list(REFINE_SIGMAS)} (the distilled ones)")
         if not isinstance(params.max_sequence_length, int) or params.max_sequence_length < 1:
-            raise InvalidInputError(f"max_sequence_length={params.max_sequence_length!r} must be an "
-                             "integer >= 1")
+            raise InvalidInputError(
+                f"max_sequence_length={params.max_sequence_length!r} must be an "
+                "integer >= 1")
         self.check_image(request)
         return params
 
@@ -305,13 +311,15 @@ class LTX2T2V(ModelInstance):
         :raises ValueError: for a state of a size no stage of this request has.
         """
         if cond is None or "layouts" not in cond.extra:
-            raise InvalidInputError("an LTX-2 state unpacks only with its request's conditioning (the "
-                             "cond of the LoopResult that produced it)")
+            raise InvalidInputError(
+                "an LTX-2 state unpacks only with its request's conditioning (the "
+                "cond of the LoopResult that produced it)")
         try:
             return cond.extra["layouts"][state.shape[1]]
         except KeyError:
-            raise InvalidInputError(f"no stage of this request has a state of width {state.shape[1]}; "
-                             f"known: {sorted(cond.extra['layouts'])}") from None
+            raise InvalidInputError(
+                f"no stage of this request has a state of width {state.shape[1]}; "
+                f"known: {sorted(cond.extra['layouts'])}") from None
 
     def _register(self, cond: Conditioning, params: DiffusionParams, stage: int, video: tuple,
                   audio: tuple, mask: torch.Tensor | None = None) -> StageLayout:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InvalidInputError
 from ..request import (
     DiffusionParams,
     GenerationRequest,
@@ -44,7 +45,6 @@ from .base import (
     frames_to_pixels,
     postprocess,
 )
-from ..errors import InvalidInputError
 
 
 def clean_prompt(text: str) -> str:

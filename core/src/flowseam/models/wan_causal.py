@@ -36,10 +36,10 @@ from ..causal_attention import (
     causal_state,
     route_causal_attention,
 )
+from ..errors import InvalidInputError
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .base import ModelCard, postprocess
 from .wan import _WAN_COMMON, WanT2V
-from ..errors import InvalidInputError
 
 #: ``_flowseam_causal`` keys flowseam implements, and their defaults (Self-Forcing's
 #: ``configs/self_forcing_dmd.yaml``).
@@ -57,19 +57,23 @@ def read_causal_config(index: dict[str, Any], source: str = "model_index.json") 
     given = dict(index.get("_flowseam_causal") or {})
     unknown = sorted(set(given) - set(CAUSAL_CONFIG_DEFAULTS))
     if unknown:
-        raise InvalidInputError(f"{source}: _flowseam_causal has key(s) {unknown} that flowseam does not "
-                         f"implement; known: {sorted(CAUSAL_CONFIG_DEFAULTS)}")
+        raise InvalidInputError(
+            f"{source}: _flowseam_causal has key(s) {unknown} that flowseam does not "
+            f"implement; known: {sorted(CAUSAL_CONFIG_DEFAULTS)}")
     config = {**CAUSAL_CONFIG_DEFAULTS, **given}
     if config["warp_denoising_step"] is not True:
-        raise InvalidInputError(f"{source}: warp_denoising_step={config['warp_denoising_step']!r} is not "
-                         "implemented; flowseam warps the step list by the flow shift (Self-Forcing)")
+        raise InvalidInputError(
+            f"{source}: warp_denoising_step={config['warp_denoising_step']!r} is not "
+            "implemented; flowseam warps the step list by the flow shift (Self-Forcing)")
     if config["context_noise"] != 0:
-        raise InvalidInputError(f"{source}: context_noise={config['context_noise']!r} is not implemented; "
-                         "the KV cache is written by a pass of the clean chunk at t = 0")
+        raise InvalidInputError(
+            f"{source}: context_noise={config['context_noise']!r} is not implemented; "
+            "the KV cache is written by a pass of the clean chunk at t = 0")
     steps = config["denoising_step_list"]
     if not steps or any(not 0 < t <= 1000 for t in steps) or list(steps) != sorted(steps, reverse=True):
-        raise InvalidInputError(f"{source}: denoising_step_list={steps!r} must be timesteps in (0, 1000], "
-                         "decreasing")
+        raise InvalidInputError(
+            f"{source}: denoising_step_list={steps!r} must be timesteps in (0, 1000], "
+            "decreasing")
     return config
 
 
@@ -135,8 +139,9 @@ class WanCausalT2V(WanT2V):
         params = super().check(request)
         chunk = params.chunk_frames
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise InvalidInputError(f"chunk_frames={chunk!r} must be an integer >= 1 (latent frames per "
-                             "chunk; Self-Forcing's num_frame_per_block)")
+            raise InvalidInputError(
+                f"chunk_frames={chunk!r} must be an integer >= 1 (latent frames per "
+                "chunk; Self-Forcing's num_frame_per_block)")
         tf = self.vae_temporal_factor
         frames = (params.num_frames - 1) // tf + 1
         if frames % chunk:
@@ -151,8 +156,9 @@ class WanCausalT2V(WanT2V):
                            ("height", params.height // self.vae_spatial_factor // p_h),
                            ("width", params.width // self.vae_spatial_factor // p_w)):
             if size > limit:
-                raise InvalidInputError(f"{name}: {size} positions exceed the DiT's rope_max_seq_len={limit}; "
-                                 f"generate a shorter or smaller video")
+                raise InvalidInputError(
+                    f"{name}: {size} positions exceed the DiT's rope_max_seq_len={limit}; "
+                    f"generate a shorter or smaller video")
         sink, window = params.sink_size, params.local_attn_size
         if not isinstance(sink, int) or isinstance(sink, bool) or sink < 0:
             raise InvalidInputError(f"sink_size={sink!r} must be an integer >= 0 (latent frames)")
@@ -163,17 +169,19 @@ class WanCausalT2V(WanT2V):
                     f"{chunk + sink} (latent frames: the window holds the sink and the chunk "
                     "itself), or None for no window")
         elif sink:
-            raise InvalidInputError(f"sink_size={sink} needs a rolling window (local_attn_size); without "
-                             "one every frame is attended anyway")
+            raise InvalidInputError(
+                f"sink_size={sink} needs a rolling window (local_attn_size); without "
+                "one every frame is attended anyway")
         return params
 
     def check_loop_params(self, params: DiffusionParams) -> None:
         """The causal parameters are this card's own (checked in :meth:`check`); a step cache
         is refused (it runs in the flow_match loop)."""
         if params.cache is not None:
-            raise InvalidInputError(f"cache={params.cache}: step caching runs in the flow_match loop "
-                             "(Wan T2V/I2V, FLUX.1); the causal loop's few-step sampler is not "
-                             "cached")
+            raise InvalidInputError(
+                f"cache={params.cache}: step caching runs in the flow_match loop "
+                "(Wan T2V/I2V, FLUX.1); the causal loop's few-step sampler is not "
+                "cached")
 
     def window(self, params: DiffusionParams) -> Window:
         return Window(params.local_attn_size, params.sink_size)
@@ -261,7 +269,8 @@ class StreamingWanDecoder:
         self.model = model
         vae = model.components["vae"]
         if getattr(vae, "use_tiling", False) or getattr(vae.config, "patch_size", None) is not None:
-            raise InvalidInputError("streaming decode needs a Wan2.1 VAE without tiling or patchify")
+            raise InvalidInputError(
+                "streaming decode needs a Wan2.1 VAE without tiling or patchify")
         self.vae = vae
         self.convs = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
         self.feat_cache: list = [None] * self.convs
@@ -310,19 +319,23 @@ def load_single_file_state_dict(path: str | Path, ema: bool = True) -> dict[str,
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # pickle.UnpicklingError for anything beyond tensors and dicts
-            raise InvalidInputError(f"{path}: not a weights-only torch file ({type(exc).__name__}: {exc}); "
-                             "flowseam never unpickles arbitrary objects") from exc
+            raise InvalidInputError(
+                f"{path}: not a weights-only torch file ({type(exc).__name__}: {exc}); "
+                "flowseam never unpickles arbitrary objects") from exc
     else:
-        raise InvalidInputError(f"{path}: unsupported suffix {path.suffix!r}; use .pt/.pth or .safetensors")
+        raise InvalidInputError(
+            f"{path}: unsupported suffix {path.suffix!r}; use .pt/.pth or .safetensors")
     if isinstance(data, dict) and ("generator" in data or "generator_ema" in data):
         key = "generator_ema" if ema and "generator_ema" in data else "generator"
         data = data[key]
     if not isinstance(data, dict) or not all(torch.is_tensor(v) for v in data.values()):
-        raise InvalidInputError(f"{path}: expected a state dict of tensors (or generator/generator_ema)")
+        raise InvalidInputError(
+            f"{path}: expected a state dict of tensors (or generator/generator_ema)")
     state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in data.items()}
     if not any(k.startswith("blocks.0.self_attn.") for k in state):
-        raise InvalidInputError(f"{path}: no Wan DiT weights (no 'blocks.0.self_attn.*' keys, with or "
-                         f"without the 'model.' prefix); first keys: {sorted(state)[:5]}")
+        raise InvalidInputError(
+            f"{path}: no Wan DiT weights (no 'blocks.0.self_attn.*' keys, with or "
+            f"without the 'model.' prefix); first keys: {sorted(state)[:5]}")
     return convert_wan_transformer_to_diffusers(state)
 
 
@@ -344,11 +357,12 @@ def convert_self_forcing_checkpoint(weights: str | Path, base: str | Path, outpu
     base, output = Path(base), Path(output)
     index_path = base / "model_index.json"
     if not index_path.is_file():
-        raise InvalidInputError(f"--base {base}: no model_index.json (a diffusers Wan2.1 T2V folder)")
+        raise InvalidInputError(
+            f"--base {base}: no model_index.json (a diffusers Wan2.1 T2V folder)")
     index = json.loads(index_path.read_text())
     if index.get("_class_name") != "WanPipeline":
         raise InvalidInputError(f"--base {base}: _class_name={index.get('_class_name')!r}; need a "
-                         "WanPipeline (Wan2.1 text-to-video) folder")
+                                "WanPipeline (Wan2.1 text-to-video) folder")
     if output.exists():
         raise InvalidInputError(f"--output {output} exists; choose a new folder")
     config = read_causal_config({"_flowseam_causal": causal_config or {}}, "causal_config")
@@ -358,9 +372,10 @@ def convert_self_forcing_checkpoint(weights: str | Path, base: str | Path, outpu
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     shapes = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
     if missing or unexpected or shapes:
-        raise InvalidInputError(f"{weights} does not fit {base}'s transformer config: missing keys "
-                         f"{missing[:8]}, unexpected keys {unexpected[:8]}, other shapes "
-                         f"{[(k, tuple(state[k].shape), tuple(own[k].shape)) for k in shapes[:4]]}")
+        raise InvalidInputError(
+            f"{weights} does not fit {base}'s transformer config: missing keys "
+            f"{missing[:8]}, unexpected keys {unexpected[:8]}, other shapes "
+            f"{[(k, tuple(state[k].shape), tuple(own[k].shape)) for k in shapes[:4]]}")
     model.load_state_dict(state, strict=True)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))

@@ -138,6 +138,7 @@ from __future__ import annotations
 
 import math
 from typing import Any, NamedTuple
+
 from ..errors import InvalidInputError
 
 FLOW_MATCH_STEP = "flow_match_step"
@@ -241,8 +242,9 @@ def check_sigmas(sigma: float, sigma_next: float, *, sde: bool, sigma_max: float
             f"sigma_next == sigma == {sigma!r}: the SDE step needs sigma_next < sigma "
             "(its std is std_dev_t * sqrt(sigma - sigma_next))")
     if not (0.0 <= noise_level < math.inf):
-        raise InvalidInputError(f"noise_level={noise_level!r} must be finite and >= 0 (it scales the "
-                         "SDE step's std; 0 makes the step deterministic)")
+        raise InvalidInputError(
+            f"noise_level={noise_level!r} must be finite and >= 0 (it scales the "
+            "SDE step's std; 0 makes the step deterministic)")
     if noise_level == 0.0:
         return  # the deterministic step: no std, no sigma_max needed (see FLOW_SDE_STEP)
     if sigma == 1.0:
@@ -254,7 +256,7 @@ def check_sigmas(sigma: float, sigma_next: float, *, sde: bool, sigma_max: float
             raise InvalidInputError(f"sigma_max={sigma_max!r} must be in (0, 1)")
     if sde_std_dev_t(sigma, noise_level, sigma_max) * math.sqrt(sigma - sigma_next) < 1e-30:
         raise InvalidInputError(f"sigma={sigma!r}, sigma_next={sigma_next!r}: the SDE step's std "
-                         "underflows to 0; its log-density is undefined")
+                                "underflows to 0; its log-density is undefined")
 
 
 def as_sigma(value: Any, name: str = "sigma") -> float:
@@ -274,7 +276,7 @@ def as_sigma(value: Any, name: str = "sigma") -> float:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise InvalidInputError(f"{name}={value!r} must be a number in [0, 1] (a float or a "
-                         "one-element tensor)") from None
+                                "one-element tensor)") from None
 
 
 def check_step_tensors(x: Any, v: Any, noise: Any = None, prev_sample: Any = None) -> None:
@@ -284,22 +286,27 @@ def check_step_tensors(x: Any, v: Any, noise: Any = None, prev_sample: Any = Non
     xs = _shape(x)
     for name, t in (("x", x), ("v", v), ("noise", noise), ("prev_sample", prev_sample)):
         if t is not None and not _is_float(t):
-            raise InvalidInputError(f"{name} has dtype {t.dtype}; flow steps need floating-point tensors")
+            raise InvalidInputError(
+                f"{name} has dtype {t.dtype}; flow steps need floating-point tensors")
     if len(xs) < 1:
-        raise InvalidInputError(f"x has shape {xs}; a flow step needs at least a batch dimension (B, ...)")
+        raise InvalidInputError(
+            f"x has shape {xs}; a flow step needs at least a batch dimension (B, ...)")
     if 0 in xs:
-        raise InvalidInputError(f"x has shape {xs}; a flow step needs a non-empty tensor (no size-0 "
-                         "dimension)")
+        raise InvalidInputError(
+            f"x has shape {xs}; a flow step needs a non-empty tensor (no size-0 "
+            "dimension)")
     for name, t in (("v", v), ("noise", noise), ("prev_sample", prev_sample)):
         if t is not None and _shape(t) != xs:
-            raise InvalidInputError(f"{name} has shape {_shape(t)} but x has shape {xs}; they must match")
+            raise InvalidInputError(
+                f"{name} has shape {_shape(t)} but x has shape {xs}; they must match")
 
 
 def check_attention(q: Any, k: Any, v: Any) -> None:
     """Validate attention shapes: (B, heads, seq, dim) with matching batch/heads/dims."""
     qs, ks, vs = _shape(q), _shape(k), _shape(v)
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
-        raise InvalidInputError(f"attention expects 4-d (B, heads, seq, dim) q/k/v, got {qs}, {ks}, {vs}")
+        raise InvalidInputError(
+            f"attention expects 4-d (B, heads, seq, dim) q/k/v, got {qs}, {ks}, {vs}")
     if ks[:2] != qs[:2] or vs[:2] != qs[:2] or ks[2] != vs[2] or ks[3] != qs[3]:
         raise InvalidInputError(
             f"attention shapes do not match: q={qs}, k={ks}, v={vs}; need q (B,H,Lq,D), "
@@ -326,13 +333,15 @@ def check_renoise(x0: Any, noise: Any, sigma: float) -> None:
     """Validate the re-noising op's arguments. Raises ValueError naming the bad value."""
     for name, t in (("x0", x0), ("noise", noise)):
         if not _is_float(t):
-            raise InvalidInputError(f"{name} has dtype {t.dtype}; re-noising needs floating-point tensors")
+            raise InvalidInputError(
+                f"{name} has dtype {t.dtype}; re-noising needs floating-point tensors")
     if _shape(noise) != _shape(x0):
         raise InvalidInputError(f"noise has shape {_shape(noise)} but x0 has shape {_shape(x0)}; "
-                         "they must match")
+                                "they must match")
     if 0 in _shape(x0):
-        raise InvalidInputError(f"x0 has shape {_shape(x0)}; re-noising needs a non-empty tensor (no "
-                         "size-0 dimension)")
+        raise InvalidInputError(
+            f"x0 has shape {_shape(x0)}; re-noising needs a non-empty tensor (no "
+            "size-0 dimension)")
     if not (0.0 <= sigma <= 1.0) or math.isnan(sigma):
         raise InvalidInputError(f"sigma={sigma!r} is outside [0, 1]")
 
@@ -346,41 +355,48 @@ def check_unipc(sigma: float, sigma_next: float, state: "UniPCState", *, order: 
     """
     if not isinstance(state, UniPCState):
         raise InvalidInputError(f"state={type(state).__name__} must be a flowseam.ops.UniPCState "
-                         "(UniPCState.empty() before the first step)")
+                                "(UniPCState.empty() before the first step)")
     if not (0.0 < sigma < 1.0):
-        raise InvalidInputError(f"sigma={sigma!r}: UniPC needs 0 < sigma < 1 (its log-SNR "
-                         "log((1 - sigma) / sigma) is infinite at 0 and 1; diffusers' schedule "
-                         "starts at 1 - 1e-6)")
+        raise InvalidInputError(
+            f"sigma={sigma!r}: UniPC needs 0 < sigma < 1 (its log-SNR "
+            "log((1 - sigma) / sigma) is infinite at 0 and 1; diffusers' schedule "
+            "starts at 1 - 1e-6)")
     if not (0.0 <= sigma_next <= sigma):
         raise InvalidInputError(f"sigma_next={sigma_next!r} must be in [0, sigma={sigma!r}]")
     if solver_type not in ("bh1", "bh2"):
-        raise InvalidInputError(f"solver_type={solver_type!r} is not a UniPC B(h) variant; use 'bh1' "
-                         "or 'bh2'")
+        raise InvalidInputError(
+            f"solver_type={solver_type!r} is not a UniPC B(h) variant; use 'bh1' "
+            "or 'bh2'")
     if isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= UNIPC_MAX_ORDER:
         raise InvalidInputError(f"order={order!r} must be an integer in 1..{UNIPC_MAX_ORDER}")
     if len(state.sigmas) != len(state.outputs):
-        raise InvalidInputError(f"state has {len(state.sigmas)} sigmas but {len(state.outputs)} outputs")
+        raise InvalidInputError(
+            f"state has {len(state.sigmas)} sigmas but {len(state.outputs)} outputs")
     if order > len(state.outputs) + 1:
-        raise InvalidInputError(f"order={order} needs {order - 1} earlier model outputs; the state has "
-                         f"{len(state.outputs)} (warm up with lower orders, see unipc_order)")
+        raise InvalidInputError(
+            f"order={order} needs {order - 1} earlier model outputs; the state has "
+            f"{len(state.outputs)} (warm up with lower orders, see unipc_order)")
     if sigma_next == 0.0 and order != 1:
-        raise InvalidInputError(f"order={order} at sigma_next=0: the log-SNR is infinite there and only "
-                         "order 1 is defined (diffusers lowers the final order with "
-                         "lower_order_final=True)")
+        raise InvalidInputError(
+            f"order={order} at sigma_next=0: the log-SNR is infinite there and only "
+            "order 1 is defined (diffusers lowers the final order with "
+            "lower_order_final=True)")
     history = list(state.sigmas) + [sigma]
     if any(not (a > b) for a, b in zip(history, history[1:])):
-        raise InvalidInputError(f"state.sigmas={tuple(state.sigmas)} must decrease strictly and stay "
-                         f"above sigma={sigma!r}")
+        raise InvalidInputError(
+            f"state.sigmas={tuple(state.sigmas)} must decrease strictly and stay "
+            f"above sigma={sigma!r}")
     if state.last_sample is not None and not 1 <= state.last_order <= len(state.outputs):
         raise InvalidInputError(f"state.last_order={state.last_order!r} must be in "
-                         f"1..{len(state.outputs)} (the outputs the corrector uses)")
+                                f"1..{len(state.outputs)} (the outputs the corrector uses)")
     if shape is not None:
         tensors = [("state.outputs", t) for t in state.outputs]
         if state.last_sample is not None:
             tensors.append(("state.last_sample", state.last_sample))
         for name, t in tensors:
             if _shape(t) != tuple(shape):
-                raise InvalidInputError(f"{name} has shape {_shape(t)} but x has shape {tuple(shape)}")
+                raise InvalidInputError(
+                    f"{name} has shape {_shape(t)} but x has shape {tuple(shape)}")
 
 
 class UniPCCoefficients(NamedTuple):

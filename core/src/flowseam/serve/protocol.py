@@ -14,6 +14,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from ..errors import InvalidInputError
 
 SIZE_PATTERN = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
@@ -30,7 +31,8 @@ def parse_size(size: str) -> tuple[int, int]:
     """
     match = SIZE_PATTERN.match(size)
     if not match:
-        raise InvalidInputError(f"size={size!r} must look like WIDTHxHEIGHT in pixels, e.g. '512x512'")
+        raise InvalidInputError(
+            f"size={size!r} must look like WIDTHxHEIGHT in pixels, e.g. '512x512'")
     width, height = int(match.group(1)), int(match.group(2))
     if width > MAX_SIDE or height > MAX_SIDE:
         raise InvalidInputError(f"size={size!r}: width and height must be <= {MAX_SIDE} pixels")

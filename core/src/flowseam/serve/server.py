@@ -67,22 +67,24 @@ def check_options(opts: ServeOptions) -> list[str]:
     if opts.api_key is not None and not opts.api_key.strip():
         raise InvalidInputError("--api-key is empty")
     if opts.log_level not in ("critical", "error", "warning", "info", "debug"):
-        raise InvalidInputError(f"--log-level={opts.log_level!r}: use critical, error, warning, info or "
-                         "debug")
+        raise InvalidInputError(
+            f"--log-level={opts.log_level!r}: use critical, error, warning, info or "
+            "debug")
     if opts.workflow is not None:
         if opts.workflow not in WORKFLOWS:
             raise InvalidInputError(f"--workflow {opts.workflow!r} is unknown; available: "
-                             f"{sorted(WORKFLOWS)}")
+                                    f"{sorted(WORKFLOWS)}")
     if len(opts.backends) > 1 and len(opts.backends) != len(opts.models):
-        raise InvalidInputError(f"--backend given {len(opts.backends)} times; give it once, or once per "
-                         f"--model ({len(opts.models)})")
+        raise InvalidInputError(
+            f"--backend given {len(opts.backends)} times; give it once, or once per "
+            f"--model ({len(opts.models)})")
     ids = [model_id(m) for m in opts.models]
     if opts.workflow is not None:
         ids.append(opts.workflow)
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise InvalidInputError(f"two --model checkpoints would be served as {dupes[0]!r}: each is "
-                         "served under its directory's name; rename one directory")
+                                "served under its directory's name; rename one directory")
     for path in opts.models:
         local = Path(path).expanduser()
         looks_local = path.startswith((".", "/", "~")) or local.exists() or path.count("/") != 1
@@ -92,8 +94,9 @@ def check_options(opts: ServeOptions) -> list[str]:
     if opts.workflow is not None:
         tasks = [_local_task(m) for m in opts.models]
         if None not in tasks and not {"t2i", "i2v"} <= set(tasks):
-            raise InvalidInputError(f"--workflow {opts.workflow} needs a text-to-image and an image-to-"
-                             f"video --model; the checkpoints given make {tasks}")
+            raise InvalidInputError(
+                f"--workflow {opts.workflow} needs a text-to-image and an image-to-"
+                f"video --model; the checkpoints given make {tasks}")
     out = Path(opts.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -128,8 +131,9 @@ def workflow_stages(models: dict) -> tuple[str, str]:
     t2i = [n for n, m in models.items() if m.card.task is TaskType.T2I]
     i2v = [n for n, m in models.items() if m.card.task is TaskType.I2V]
     if not t2i or not i2v:
-        raise InvalidInputError("--workflow t2i-i2v needs a text-to-image and an image-to-video --model; "
-                         f"got {[m.card.name for m in models.values()]}")
+        raise InvalidInputError(
+            "--workflow t2i-i2v needs a text-to-image and an image-to-video --model; "
+            f"got {[m.card.name for m in models.values()]}")
     return t2i[0], i2v[0]
 
 

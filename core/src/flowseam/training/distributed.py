@@ -77,7 +77,8 @@ class Shard:
         every rank (a collective: every rank calls it)."""
         expected = (len(self.groups), len(self.members))
         if tuple(local.shape) != expected:
-            raise InvalidInputError(f"local block has shape {tuple(local.shape)}; this shard is {expected}")
+            raise InvalidInputError(
+                f"local block has shape {tuple(local.shape)}; this shard is {expected}")
         if self.dp.world_size == 1:
             return local
         blocks = self.dp.gather_tensor(local)

@@ -308,12 +308,14 @@ class Finetune:
         model = self.model
         params = examples[0].params
         if any(e.params != params for e in examples):
-            raise InvalidInputError("a batch's examples must share their sampling params (one forward)")
+            raise InvalidInputError(
+                "a batch's examples must share their sampling params (one forward)")
         conds, noise, sigmas = [], [], []
         for e, seed in zip(examples, seeds):
             drop = random.Random(seed).random() < self.train_cfg["p_uncond"]
             if drop and e.uncond is None:
-                raise InvalidInputError("this example was encoded without its unconditional condition")
+                raise InvalidInputError(
+                    "this example was encoded without its unconditional condition")
             conds.append(e.uncond if drop else e.cond)
             noise.append(torch.randn(e.x0.shape, generator=torch.Generator().manual_seed(seed)))
             g = torch.Generator().manual_seed(seed + 1)

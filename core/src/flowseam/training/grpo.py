@@ -24,6 +24,7 @@ from typing import Annotated, Any, Callable
 import torch
 from pydantic import Field
 
+from ..errors import InvalidInputError
 from ..loops import LoopResult, record_velocity
 from ..loops.solvers import SolverSteps
 from ..models.base import ModelInstance
@@ -38,7 +39,7 @@ from .config import (
 )
 from .distributed import DataParallel
 from .guards import clip_gradients
-from ..errors import InvalidInputError
+
 
 class GRPOConfig(ConfigSection):
     """Flow-GRPO hyper-parameters, the ``[grpo]`` config section (defaults: Flow-GRPO's SD3
@@ -87,7 +88,8 @@ def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tens
         invalid (advantage 0, never trained on); a group with zero std gets advantage 0.
     """
     if rewards.ndim != 2 or rewards.shape[1] < 2:
-        raise InvalidInputError(f"rewards have shape {tuple(rewards.shape)}; need (groups, K) with K >= 2")
+        raise InvalidInputError(
+            f"rewards have shape {tuple(rewards.shape)}; need (groups, K) with K >= 2")
     rewards = rewards.double()
     valid = torch.isfinite(rewards).all(dim=1)
     safe = torch.where(valid[:, None], rewards, torch.zeros_like(rewards))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from ..errors import InvalidInputError
 
 
@@ -61,8 +62,9 @@ def reward_input(reward, result) -> np.ndarray:
     """
     if getattr(reward, "modality", "video") == "audio":
         if result.audio is None:
-            raise InvalidInputError(f"reward {getattr(reward, '__name__', reward)!r} scores audio, and "
-                             "this model makes none (use a video reward, or an LTX-2 checkpoint)")
+            raise InvalidInputError(
+                f"reward {getattr(reward, '__name__', reward)!r} scores audio, and "
+                "this model makes none (use a video reward, or an LTX-2 checkpoint)")
         return result.audio
     return result.frames
 
@@ -75,6 +77,7 @@ def score(reward, prompts: list[str], outputs: np.ndarray) -> torch.Tensor:
     r = reward(prompts, outputs)
     r = torch.as_tensor(r, dtype=torch.float32).flatten()
     if r.shape != (len(prompts),):
-        raise InvalidInputError(f"reward returned shape {tuple(r.shape)} for {len(prompts)} samples; expected "
-                         f"({len(prompts)},)")
+        raise InvalidInputError(
+            f"reward returned shape {tuple(r.shape)} for {len(prompts)} samples; expected "
+            f"({len(prompts)},)")
     return r

@@ -66,8 +66,9 @@ class WeightSyncPlan:
 
     def __post_init__(self) -> None:
         if self.component not in self.target.components:
-            raise InvalidInputError(f"component {self.component!r} is not in {self.target.card.name}; it has "
-                             f"{sorted(self.target.components)}")
+            raise InvalidInputError(
+                f"component {self.component!r} is not in {self.target.card.name}; it has "
+                f"{sorted(self.target.components)}")
         if not 0.0 <= self.decay < 1.0:
             raise InvalidInputError(f"decay={self.decay} must be in [0, 1)")
 
@@ -160,12 +161,14 @@ class WeightUpdate:
         own = module.state_dict()
         if set(tensors) != set(own):
             extra, missing = sorted(set(tensors) - set(own)), sorted(set(own) - set(tensors))
-            raise InvalidInputError(f"weight update v{self.version} of {self.component!r} does not fit "
-                             f"{instance.card.name}: unexpected {extra[:3]}, missing {missing[:3]}")
+            raise InvalidInputError(
+                f"weight update v{self.version} of {self.component!r} does not fit "
+                f"{instance.card.name}: unexpected {extra[:3]}, missing {missing[:3]}")
         for name, value in tensors.items():
             if own[name].shape != value.shape:
-                raise InvalidInputError(f"weight update v{self.version}: {name} has shape "
-                                 f"{tuple(value.shape)}, the component {tuple(own[name].shape)}")
+                raise InvalidInputError(
+                    f"weight update v{self.version}: {name} has shape "
+                    f"{tuple(value.shape)}, the component {tuple(own[name].shape)}")
         for name, value in tensors.items():
             own[name].copy_(value)
         instance.bump_version(self.component)
