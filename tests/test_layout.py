@@ -256,6 +256,32 @@ def test_backends_stand_on_the_seam():
         assert bad == [], f"{module} imports {bad}"
 
 
+def _private_names_of_core(source: str) -> list[str]:
+    """The ``_``-prefixed names of flowseam that ``source`` imports or reads as attributes."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (
+                node.module or "").split(".")[0] == "flowseam":
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            found += [node.module] if any(p.startswith("_") for p in node.module.split(".")) else []
+        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+              and not node.attr.startswith("__")
+              and ast.unparse(node.value).split(".")[0] == "flowseam"):
+            found.append(f"{ast.unparse(node.value)}.{node.attr}")
+    return found
+
+
+def test_backends_use_no_private_name_of_core():
+    """A backend (the in-repo ones are the examples vendors copy) uses flowseam's public API
+    only: no ``_``-prefixed module, function or attribute of flowseam."""
+    for package in PACKAGES[1:]:
+        for path in package.rglob("*.py"):
+            assert _private_names_of_core(path.read_text()) == [], path
+    # the check finds such a use when there is one
+    assert _private_names_of_core("from flowseam.attention import _SDPARoute") != []
+    assert _private_names_of_core("import flowseam\nflowseam.plugins._CACHE = None") != []
+
+
 def test_loops_import_neither_training_nor_each_other():
     graph = _imports(PACKAGES)
     loops = [m for m in graph if m.startswith("flowseam.loops.")]
