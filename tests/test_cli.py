@@ -72,6 +72,8 @@ def test_backends_shows_the_platform_of_a_named_backend():
     bad = run_main("backends", "--backend", "tpu9000")
     assert bad.returncode == 2 and "unknown flowseam backend 'tpu9000'" in bad.stderr
     assert "Traceback" not in bad.stderr
+    # one line naming the option; the table of backends is flowseam backends' job
+    assert bad.stderr.strip().count("\n") == 0 and "--backend" in bad.stderr, bad.stderr
 
 
 def test_a_closed_pipe_ends_the_command_quietly():

@@ -35,7 +35,7 @@ import threading
 import traceback
 from typing import Callable
 
-from ..errors import FlowseamError, PluginFaultError
+from ..errors import BackendUnavailableError, FlowseamError, PluginFaultError
 from ..faults import is_out_of_memory
 
 #: Exit statuses: 2 for bad input (an option, a file, a config, a checkpoint), 3 for a plugin that
@@ -91,6 +91,12 @@ def report(exc: Exception) -> int:
     if isinstance(exc, PluginFaultError):  # before FlowseamError: a fault is one
         _say(f"plugin fault: {exc}")
         return EXIT_PLUGIN_FAULT
+    if isinstance(exc, BackendUnavailableError):  # one line; the table has the details
+        first = str(exc).strip().splitlines()[0].rstrip(" ;:")
+        first = first.removesuffix("; backends")
+        _say(f"error: {first} (--backend, or backend = in a training config; flowseam backends "
+             "lists every backend and why an unusable one is)")
+        return EXIT_USAGE
     if isinstance(exc, FlowseamError):
         _say(f"error: {exc}")
         return EXIT_USAGE
