@@ -18,8 +18,8 @@ PLUGIN_FIXTURES = sorted(p for p in (FIXTURES / "plugins").iterdir() if (p / "py
 def pip_install_target(packages: list[Path], target: Path) -> None:
     """``pip install --no-deps --no-build-isolation --target`` real packages (their dist-info
     and entry points included) into ``target``: built by the test environment's setuptools and
-    installed with uv where the environment has it (scripts/setup-venv installs it; half of
-    pip's CPU seconds: 5.0 vs 11.1 s for the seven plugin fixtures), built afresh every time
+    installed with uv where the environment has it (scripts/setup-venv installs it; about half
+    of pip's CPU seconds for the plugin fixtures), built afresh every time
     (``--no-cache``: uv would otherwise serve a fixture whose source changed from its cache) and
     offline; else with pip."""
     uv = Path(sys.executable).with_name("uv")
