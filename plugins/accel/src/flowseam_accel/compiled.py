@@ -62,8 +62,8 @@ def _graphs_built() -> int:
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).removeprefix('torch.')}[{','.join(map(str, value.shape))}]"
-    return f"{type(value).__name__}({len(value)})" if isinstance(value, (list, tuple)) else \
-        type(value).__name__
+    kind = type(value).__name__
+    return f"{kind}({len(value)})" if isinstance(value, (list, tuple)) else kind
 
 
 def signature(args: tuple, kwargs: dict) -> str:

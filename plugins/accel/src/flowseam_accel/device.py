@@ -34,17 +34,18 @@ def forced_device_problem() -> str:
         dev = torch.device(forced) if forced else None
     except RuntimeError as exc:
         return f"{DEVICE_ENV}={forced!r} is not a torch device: {exc}"
-    usable = {"cuda": torch.cuda.is_available,
-              "mps": lambda: torch.backends.mps.is_available()}.get(getattr(dev, "type", ""))
-    if usable is not None and not usable():
-        return f"{DEVICE_ENV}={forced!r}, but torch {torch.__version__} sees no {dev.type} device"
+    count = {"cpu": lambda: 1, "cuda": torch.cuda.device_count,
+             "mps": lambda: int(torch.backends.mps.is_available())}.get(getattr(dev, "type", "cpu"))
+    if count is None:
+        return f"{DEVICE_ENV}={forced!r}: accel runs on cpu, cuda[:N] or mps"
+    if dev is not None and (dev.index or 0) >= count():
+        return f"{DEVICE_ENV}={forced!r}, but torch {torch.__version__} sees {count()} {dev.type}"
     return ""
 
 
 @functools.cache
 def torch_device() -> torch.device:
-    """The torch device accel builds components on: override, else cuda, else mps, else cpu (a
-    bad override too: :func:`compile_unsupported_reason` then makes accel unavailable)."""
+    """The device accel builds on: a usable override, else cuda, else mps, else cpu."""
     forced = os.environ.get(DEVICE_ENV, "").strip()
     if forced and not forced_device_problem():
         return torch.device(forced)

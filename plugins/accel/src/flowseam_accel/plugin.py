@@ -63,8 +63,7 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
 
 @hookimpl
 def flowseam_component_kinds() -> tuple[str, ...]:
-    # ("dit", "vae"). No "text_encoder" on purpose: it falls back to cpu, visibly in
-    # platform.explain(), so the fallback path runs wherever accel does.
+    # ("dit", "vae"); no "text_encoder" on purpose: the cpu fallback runs wherever accel does.
     return tuple(components.BUILDERS)
 
 
