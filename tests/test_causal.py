@@ -488,6 +488,13 @@ def test_rollout_records_per_chunk_and_step_and_serve_parity(model):
             out = kernels.pin(rec.impl_id)(rec.latents, v, rec.sigma, rec.sigma_next,
                                            prev_sample=rec.next_latents, sigma_max=rec.sigma_max)
         assert torch.equal(out.log_prob, rec.log_prob)
+    # an sde_window counts per chunk; outside it the chunk sampler runs (x0, re-noise), not Euler
+    win = flowseam.run_loop(model, GenerationRequest([PROMPT] * 2, TaskType.T2V,
+                                                     sde_params.replace(sde_window=(1, 2)),
+                                                     seeds=[1, 2]), ExecutionProfile.ROLLOUT)
+    assert [r.impl_id for r in win.records] == \
+        [renoise.impl_id, sde_kernel.impl_id, euler.impl_id] * 2
+    assert [r.log_prob is not None for r in win.records] == [False, True, False] * 2
 
 
 @pytest.mark.slow

@@ -133,7 +133,9 @@ class DiffusionParams:
     :param sde_rollout: use Flow-GRPO's SDE step (``flow_sde_step``) instead of the ODE step.
     :param noise_level: the SDE step's noise level (Flow-GRPO's ``a``, default 0.7).
     :param sde_window: with ``sde_rollout``, only the steps ``start <= i < end`` (0-based step
-        indices) are SDE steps with a log-prob; the others are ODE steps. None: every step.
+        indices) are SDE steps with a log-prob; the others are ODE (Euler) steps, in the causal
+        loop Self-Forcing's x0 + re-noise steps, with the window counted per chunk. None: every
+        step.
         Training on a window of one or two early steps is Flow-GRPO-Fast (the Flow-GRPO
         repository) and MixGRPO (Li et al. 2025): the reward's spread then comes from the noise
         of those steps only, so the policy gradient is far less noisy per sample.

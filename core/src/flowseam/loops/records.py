@@ -79,7 +79,8 @@ class LoopResult:
     :ivar cond: the conditioning used (text embeddings etc.), for recomputing velocities.
     :ivar seconds: wall time per stage (``encode``, ``denoise``, ``decode``, ``total``).
     :ivar kernels: op → impl_id of every solver kernel the run used (the serving sampler's ops;
-        ``flow_sde_step`` for an SDE rollout, with the sampler's ops outside an ``sde_window``;
+        ``flow_sde_step`` for an SDE rollout, with the Euler step ``flow_match_step`` outside an
+        ``sde_window``, Self-Forcing's x0 + re-noise ops in the causal loop;
         ``flow_renoise`` for LTX-2's stage 2), in the order first used; each BehaviorRecord names
         the kernel of its own step.
     :ivar loop: the loop that ran (``"flow_match"``, ``"wan_causal"``, ...).
