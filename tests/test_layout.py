@@ -257,18 +257,36 @@ def test_backends_stand_on_the_seam():
 
 
 def _private_names_of_core(source: str) -> list[str]:
-    """The ``_``-prefixed names of flowseam that ``source`` imports or reads as attributes."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (
+    """The ``_``-prefixed names of flowseam that ``source`` imports, or reads as attributes of a
+    name bound to flowseam or one of its modules (``import flowseam.ops as o; o._x``)."""
+    found, bound = [], set()
+    nodes = list(ast.walk(ast.parse(source)))
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "flowseam":
+                    bound.add(alias.asname or alias.name.split(".")[0])
+                    found += [alias.name] if _private(alias.name) else []
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (
                 node.module or "").split(".")[0] == "flowseam":
-            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-            found += [node.module] if any(p.startswith("_") for p in node.module.split(".")) else []
-        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-              and not node.attr.startswith("__")
-              and ast.unparse(node.value).split(".")[0] == "flowseam"):
-            found.append(f"{ast.unparse(node.value)}.{node.attr}")
+            found += [node.module] if _private(node.module) else []
+            for alias in node.names:
+                if _private(alias.name):
+                    found.append(f"{node.module}.{alias.name}")
+                else:
+                    bound.add(alias.asname or alias.name)
+    for node in nodes:
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = ast.unparse(node.value)
+            if base.split(".")[0] in bound:
+                found.append(f"{base}.{node.attr}")
     return found
+
+
+def _private(dotted: str) -> bool:
+    """A ``_`` name that is not a ``__dunder__`` (``__version__`` is public)."""
+    return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__"))
+               for p in dotted.split("."))
 
 
 def test_backends_use_no_private_name_of_core():
@@ -278,8 +296,15 @@ def test_backends_use_no_private_name_of_core():
         for path in package.rglob("*.py"):
             assert _private_names_of_core(path.read_text()) == [], path
     # the check finds such a use when there is one
-    assert _private_names_of_core("from flowseam.attention import _SDPARoute") != []
-    assert _private_names_of_core("import flowseam\nflowseam.plugins._CACHE = None") != []
+    for uses in ("from flowseam.attention import _SDPARoute",
+                 "import flowseam\nflowseam.plugins._CACHE = None",
+                 "from flowseam import ops\nops._shape(1)",
+                 "import flowseam.ops as o\no._shape(1)",
+                 "import flowseam._private"):
+        assert _private_names_of_core(uses) != [], uses
+    for public in ("from flowseam import __version__, ops\nops.check_sigmas(0.5, 0.2)",
+                   "import torch\ntorch._dynamo.reset()"):
+        assert _private_names_of_core(public) == [], public
 
 
 def test_loops_import_neither_training_nor_each_other():

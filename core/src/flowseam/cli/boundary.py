@@ -92,10 +92,10 @@ def report(exc: Exception) -> int:
         _say(f"plugin fault: {exc}")
         return EXIT_PLUGIN_FAULT
     if isinstance(exc, BackendUnavailableError):  # one line; the table has the details
-        first = str(exc).strip().splitlines()[0].rstrip(" ;:")
-        first = first.removesuffix("; backends")
-        _say(f"error: {first} (--backend, or backend = in a training config; flowseam backends "
-             "lists every backend and why an unusable one is)")
+        first = (str(exc).strip().splitlines() or [""])[0].rstrip(" ;:").removesuffix("; backends")
+        named = " (--backend, or backend = in a training config)" if "backend '" in first else ""
+        _say(f"error: {first or type(exc).__name__}{named}; flowseam backends lists every backend "
+             "and why an unusable one is")
         return EXIT_USAGE
     if isinstance(exc, FlowseamError):
         _say(f"error: {exc}")
