@@ -128,7 +128,7 @@ class SolverSteps:
         self.sampler = (ops.FLOW_MATCH_STEP,) if self.sde and outside_window == "ode" else sampler
         needed = ([ops.FLOW_SDE_STEP] if self.sde else []) + (
             list(self.sampler) if not self.sde or self.window is not None else [])
-        if renoise or (ops.FLOW_RENOISE in needed):
+        if renoise:
             needed.append(ops.FLOW_RENOISE)
         #: impl_id → kernel: the rollout's SDE kernels of a recompute (:meth:`recompute`), pinned
         self.pinned = {impl_id: kernels.pin(impl_id) for impl_id in pinned}
