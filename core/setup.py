@@ -49,6 +49,8 @@ setup(
         "uvicorn>=0.29",
         "python-multipart>=0.0.9",
         "prometheus-client>=0.20",
+        # the reward server's client (flowseam.rewards.remote): timeouts, retries, connection reuse
+        "httpx>=0.27",
         # PyAV (its wheels ship ffmpeg with libx264 and AAC): MP4s with a sound track, and the
         # H.264 re-compression of LTX-2's image-to-video condition
         "av>=14",
@@ -62,9 +64,17 @@ setup(
         "ray": ["ray>=2.40"],
         # openai: the official SDK drives the server tests (videos API from 2.3);
         # playwright: drives the system chromium for the web page test (no browser download)
-        "test": ["pytest>=8", "peft>=0.13", "ray>=2.40", "openai>=2.3", "playwright>=1.40"],
+        # the ocr reward: PaddleOCR's PP-OCRv4 models (ONNX), shipped inside the wheel
+        "ocr": ["rapidocr-onnxruntime>=1.3"],
+        # [logging] in a training config: TensorBoard event files, Weights & Biases
+        "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.16"],
+        "test": ["pytest>=8", "peft>=0.13", "ray>=2.40", "openai>=2.3", "playwright>=1.40",
+                 "rapidocr-onnxruntime>=1.3", "tensorboard>=2.14", "wandb>=0.16"],
         # `flowseam demo`: the digits data and classifier (scikit-learn; threadpoolctl caps its
         # BLAS threads), the reward plot, LoRA
-        "demo": ["scikit-learn>=1.3", "threadpoolctl>=3.1", "matplotlib>=3.7", "peft>=0.13"],
+        # the text world (`flowseam demo --world text`): DejaVu fonts (matplotlib) and the ocr reward
+        "demo": ["scikit-learn>=1.3", "threadpoolctl>=3.1", "matplotlib>=3.7", "peft>=0.13",
+                 "rapidocr-onnxruntime>=1.3"],
     },
 )

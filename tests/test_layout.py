@@ -81,6 +81,7 @@ LAYER = {
     "flowseam.cli.*": USERS,
     "flowseam.loading": USERS,          # builds a runnable model: imports the loops it runs
     "flowseam.training.*": USERS,
+    "flowseam.rewards.*": USERS,        # the real reward models, their server and client
     "flowseam.serve.*": USERS,
     "flowseam.workflows": USERS,
     "flowseam.refiner": USERS,          # the LM prompt refiner of unified RL

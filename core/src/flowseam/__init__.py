@@ -50,6 +50,8 @@ from .errors import (
     KernelPinError,
     PluginFaultError,
     PluginLoadError,
+    RewardFaultError,
+    RewardServerError,
     UnknownOpError,
     UnsafeCheckpointError,
     UntrustedComponentError,
@@ -113,6 +115,7 @@ __all__ = [
     "ConformanceExpectations", "FlowseamError", "InvalidInputError", "InvalidParameterError",
     "KernelArgumentError",
     "KernelFaultError", "KernelPinError", "KernelRegistration", "KernelTable", "Platform",
-    "PluginFaultError", "PluginLoadError", "Provenance", "UnknownOpError", "UnsafeCheckpointError",
+    "PluginFaultError", "PluginLoadError", "Provenance", "RewardFaultError",
+    "RewardServerError", "UnknownOpError", "UnsafeCheckpointError",
     "UntrustedComponentError", "discover", "hookimpl", "ops",
 ]

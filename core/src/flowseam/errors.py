@@ -91,6 +91,20 @@ class ComponentFaultError(PluginFaultError):
     raised or returned something wrong while a loop ran it."""
 
 
+class RewardFaultError(PluginFaultError):
+    """A reward failed while a training method scored samples: it raised, returned a result of
+    the wrong shape, returned NaN for every sample, or ran past its timeout. ``what`` is
+    ``"reward <name>"``; the message says what it returned (or how long it ran). Never turned
+    into a silent zero: the run stops."""
+
+
+class RewardServerError(FlowseamError):
+    """A reward server (``reward = "http://HOST:PORT/NAME"``) could not be reached, or kept
+    answering with an error, through every retry. The message names the URL, the attempts and the
+    last error; a training method adds the last complete checkpoint, from which ``--resume``
+    continues without losing a step."""
+
+
 class InvalidInputError(FlowseamError, ValueError):
     """Input flowseam refuses: a request, option, config value, file or argument that is not
     allowed. The message names the value and what is allowed; it is raised before any model runs
