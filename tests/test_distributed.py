@@ -91,7 +91,8 @@ def test_two_ranks_equal_one_rank_flowgrpo(flux, tmp_path):
     from flowseam.training.flowgrpo import FlowGRPO
 
     cfg = dict(model=str(flux), backend="cpu", prompts=["a ball", "a box", "a cup"],
-               reward="brightness", group_size=4, prompts_per_step=2, steps=2, seed=3,
+               reward={"brightness": 1.0, "channel_contrast": 0.5},  # components gathered too
+               group_size=4, prompts_per_step=2, steps=2, seed=3,
                checkpoint_every=2, sampling=SAMPLING, grpo=dict(beta=0.04, clip_range=0.2),
                optim=OPTIM)
     two = _toml(tmp_path / "two.toml", dict(cfg, output_dir=str(tmp_path / "two")))
@@ -110,7 +111,8 @@ def test_two_ranks_equal_one_rank_flowgrpo(flux, tmp_path):
         assert a["ratio_dev_first_epoch_by_rank"] and len(a["ratio_dev_first_epoch_by_rank"]) == 2
         assert max(a["ratio_dev_first_epoch_by_rank"]) <= 1e-6  # C2 on every rank
         assert b["ratio_dev_first_epoch"] <= 1e-6
-        for key in ("reward_mean", "reward_std"):
+        for key in ("reward_mean", "reward_std", "reward_brightness_mean", "reward_brightness_std",
+                    "reward_channel_contrast_mean", "reward_channel_contrast_std"):
             assert a[key] == pytest.approx(b[key], rel=TOL["rewards"]), key
         for key in ("adv_mean", "adv_std", "adv_min", "adv_max", "kl_ref", "grad_norm", "ratio_mean"):
             assert a[key] == pytest.approx(b[key], rel=TOL["advantages"], abs=1e-7), key

@@ -88,12 +88,14 @@ def ray_cluster():
 @pytest.fixture(scope="module")
 def trainers(flux, ray_cluster):
     """The same flowgrpo run twice: in this process, and on a fleet of 2 rollout workers (one
-    torch thread each) plus 1 reward worker. Each test advances both by one step."""
+    torch thread each) plus 1 reward worker. Each test advances both by one step. The reward is
+    a weighted sum, so the reward worker returns each component's scores too."""
     from flowseam.training.flowgrpo import FlowGRPO
 
     flowseam.plugins._CACHE = None
     cpu = flowseam.Platform("cpu")
-    cfg = dict(prompts=["a ball", "a box"], reward="brightness", group_size=4, prompts_per_step=1,
+    cfg = dict(prompts=["a ball", "a box"], reward={"brightness": 1.0, "channel_contrast": 0.5},
+               group_size=4, prompts_per_step=1,
                steps=10, seed=5, sampling=SAMPLING, grpo=dict(beta=0.04, clip_range=0.2), optim=OPTIM)
     local = FlowGRPO(cfg, model=flowseam.load(flux, platform=cpu))
     remote = FlowGRPO(dict(cfg, ray=dict(rollout_workers=2, reward_workers=1)),
@@ -107,7 +109,8 @@ def _same_step(local, remote):
     a, b = local.train_step(), remote.train_step()
     assert a["step"] == b["step"] and a["weights_version"] == b["weights_version"]
     assert b["ratio_dev_first_epoch"] <= 1e-6  # the trainer's pinned recompute of a worker's rollout
-    for key in ("reward_mean", "reward_std"):
+    for key in ("reward_mean", "reward_std", "reward_brightness_mean", "reward_brightness_std",
+                "reward_channel_contrast_mean", "reward_channel_contrast_std"):
         assert b[key] == pytest.approx(a[key], rel=TOL["rewards"]), key
     for key in ("adv_mean", "adv_std", "adv_min", "adv_max", "kl_ref", "grad_norm"):
         assert b[key] == pytest.approx(a[key], rel=TOL["advantages"], abs=1e-7), key
@@ -201,3 +204,31 @@ def test_fleet_refuses_what_the_cluster_cannot_hold(trainers):
         RolloutFleet(remote.model, 5)
     with pytest.raises(FlowseamError, match="placement='EVERYWHERE'; allowed: PACK"):
         RolloutFleet(remote.model, 1, placement="EVERYWHERE")
+
+
+@pytest.mark.slow  # a local Ray and 3 actors (+ 1 reward actor here)
+def test_a_reward_workers_fault_reaches_the_trainer_as_it_is(trainers):
+    """A reward that raises in a reward actor: the trainer gets the RewardFaultError itself
+    (naming the reward and its plugin, one line), not Ray's wrapper with a remote traceback."""
+    from flowseam import RewardFaultError
+    from flowseam.training.rewards import ChannelContrast, Reward, RewardComponent
+
+    _, remote = trainers
+    fleet = remote.fleet
+    broken = ChannelContrast(0)
+    broken.channel = 7  # indexes past the 3 channels: IndexError in the actor
+    worker = fleet._reward_cls.remote(Reward([RewardComponent(
+        "channel_contrast", broken, plugin="methods", distribution="flowseam", version="0.1.0")]))
+    kept, fleet.reward_workers = fleet.reward_workers, [worker]
+    try:
+        request = flowseam.GenerationRequest(["a ball"] * 2, flowseam.TaskType.T2I,
+                                             flowseam.DiffusionParams(sde_rollout=True, **SAMPLING),
+                                             seeds=[0, 1])
+        with pytest.raises(RewardFaultError, match=r"reward 'channel_contrast' of plugin 'methods' "
+                                                   r"\(flowseam 0.1.0\) raised IndexError") as info:
+            fleet.rollout([request], [["a ball"] * 2])
+        assert type(info.value) is RewardFaultError and "\n" not in str(info.value)
+        assert info.value.plugin == "methods" and info.value.what == "reward channel_contrast"
+    finally:
+        fleet.reward_workers = kept
+        fleet._ray.kill(worker, no_restart=True)

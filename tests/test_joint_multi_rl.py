@@ -261,3 +261,13 @@ lr = 5e-4
     bad = run_main("train", "--method", "joint_multi_rl", "--config", str(cfg),
                    "--set", 'experts={"transformer_9": {}}')
     assert bad.returncode == 2 and "which the model does not have" in bad.stderr
+
+
+def test_a_weighted_sum_reward_logs_each_component(ckpt, cpu):
+    """reward = {brightness = 0.5, channel_contrast = 2.0}: the step's record holds each
+    component's mean and std next to the total, and the total's mean is their weighted sum."""
+    j = _joint(ckpt, cpu, reward={"brightness": 0.5, "channel_contrast": 2.0})
+    rec = j.train_step()
+    assert rec["reward_mean"] == pytest.approx(
+        0.5 * rec["reward_brightness_mean"] + 2.0 * rec["reward_channel_contrast_mean"], abs=1e-6)
+    assert rec["reward_brightness_std"] > 0 and rec["reward_channel_contrast_std"] > 0

@@ -147,11 +147,14 @@ def test_constant_reward_leaves_every_parameter_unchanged(ckpts, cpu):
 
 
 def test_nan_reward_skips_the_group_with_a_warning(ckpts, cpu):
+    """A NaN group is skipped; the step's other group has a constant reward (zero spread, so no
+    update either): nothing moves. (NaN for every sample of a step is a reward fault:
+    tests/test_reward_specs.py.)"""
     def flaky(prompts, outputs):
-        r = torch.from_numpy(outputs.reshape(len(prompts), -1).mean(axis=1))
+        r = torch.ones(len(prompts))
         return torch.full_like(r, float("nan")) if prompts[0] == "a ball" else r
 
-    g = _grpo(ckpts, cpu, prompts=["a ball"], steps=1)
+    g = _grpo(ckpts, cpu, prompts=["a ball", "a box"], prompts_per_step=2, steps=1)
     g.reward = flaky
     before = _params(g.stage.policy)
     with pytest.warns(UserWarning, match="NaN"):
@@ -456,3 +459,18 @@ def test_workflow_rl_batches_across_groups_as_it_does_group_by_group(ckpts, cpu,
     for stage in ("t2i", "i2v"):
         assert per_group[f"{stage}_grad_norm"] > 0
         assert batched[f"{stage}_grad_norm"] == pytest.approx(per_group[f"{stage}_grad_norm"], rel=1e-4)
+
+
+def test_workflow_rl_logs_each_component_of_a_weighted_sum_reward(ckpts, cpu):
+    """reward = {brightness = 0.5, channel_contrast = 2.0} on the final videos: each component's
+    mean and std next to the total, whose mean is their weighted sum."""
+    wf = WorkflowRL(dict(prompts=["a ball"], reward={"brightness": 0.5, "channel_contrast": 2.0},
+                         group_size=2, steps=1, seed=0,
+                         t2i_sampling=dict(num_steps=2, height=32, width=32, max_sequence_length=16),
+                         i2v_sampling=dict(num_steps=2, height=32, width=32, num_frames=5)),
+                    t2i=flowseam.load(ckpts["flux.1-t2i"], platform=cpu),
+                    i2v=flowseam.load(ckpts["wan2.1-i2v"], platform=flowseam.Platform("cpu")))
+    rec = wf.train_step()
+    assert rec["reward_mean"] == pytest.approx(
+        0.5 * rec["reward_brightness_mean"] + 2.0 * rec["reward_channel_contrast_mean"], abs=1e-6)
+    assert rec["reward_brightness_std"] > 0 and rec["reward_channel_contrast_std"] > 0

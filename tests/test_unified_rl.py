@@ -313,3 +313,22 @@ def test_train_cli_runs_unified_rl_and_refuses_a_bad_key(ckpts, tmp_path):
     bad = run_main("train", "--method", "unified_rl", "--config", str(tmp_path / "u.toml"),
                    "--set", "rewrites=1")
     assert bad.returncode == 2 and "rewrites=1: Input should be greater than or equal to 2" in bad.stderr
+
+
+def test_a_weighted_sum_reward_logs_each_component(ckpts, cpu):
+    """reward = {brightness = 0.5, channel_contrast = 2.0}: every sample of the tree scored by
+    both components ((P, N, M) each), the total their weighted sum, each component's mean and std
+    in the step's record."""
+    u = _unified(ckpts, cpu, reward={"brightness": 0.5, "channel_contrast": 2.0},
+                 prompts_per_step=1)
+    rec = u.train_step()
+    tree = u.last_rollout
+    parts = tree["reward_parts"]
+    assert {k: tuple(v.shape) for k, v in parts.items()} == \
+        {"brightness": (1, 3, 2), "channel_contrast": (1, 3, 2)}
+    expected = 0.5 * parts["brightness"].double() + 2.0 * parts["channel_contrast"].double()
+    assert torch.allclose(tree["rewards"].double(), expected, atol=1e-6)
+    for label in parts:
+        assert rec[f"reward_{label}_mean"] == pytest.approx(float(parts[label].mean()), abs=1e-6)
+        assert rec[f"reward_{label}_std"] == pytest.approx(float(parts[label].std(unbiased=False)),
+                                                           abs=1e-6)

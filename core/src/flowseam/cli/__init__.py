@@ -1,11 +1,12 @@
 """The flowseam command line: the ``flowseam`` script and ``python -m flowseam``.
 
 One module per command: :mod:`.backends`, :mod:`.generate`, :mod:`.train`, :mod:`.serve`,
-:mod:`.models` and :mod:`.demo`, each with ``add_parser(sub)`` (the command and its options) and
-``cmd_<name>(args)`` (what it does; its exit status). Shared by them: :mod:`.parsing` (the parser
-classes, ``--version``) and :mod:`.boundary`, the error boundary every command runs inside: which
-errors are the user's to fix (exit 2, one line), a plugin's (exit 3, one line naming it) or a bug
-(exit 1, the traceback and how to report it). This module puts them together: :func:`main`.
+:mod:`.reward_serve`, :mod:`.models` and :mod:`.demo`, each with ``add_parser(sub)`` (the command
+and its options) and ``cmd_<name>(args)`` (what it does; its exit status). Shared by them:
+:mod:`.parsing` (the parser classes, ``--version``) and :mod:`.boundary`, the error boundary every
+command runs inside: which errors are the user's to fix (exit 2, one line), a plugin's (exit 3,
+one line naming it) or a bug (exit 1, the traceback and how to report it). This module puts them
+together: :func:`main`.
 
 The command modules import nothing of this package but :mod:`.parsing`, and nothing below
 :mod:`flowseam` imports the command line. A test that replaces a command replaces its module's
@@ -18,14 +19,14 @@ import argparse
 from typing import Sequence
 
 from ..console import enable_notices
-from . import backends, boundary, demo, generate, models, serve, train
+from . import backends, boundary, demo, generate, models, reward_serve, serve, train
 from .boundary import EXIT_BUG, EXIT_PLUGIN_FAULT, EXIT_TERMINATED, EXIT_USAGE
 from .parsing import HelpFormatter, Parser, VersionAction
 
 __all__ = ["main", "build_parser", "EXIT_USAGE", "EXIT_PLUGIN_FAULT", "EXIT_BUG", "EXIT_TERMINATED"]
 
 #: the commands, in the order ``flowseam --help`` lists them
-COMMANDS = (backends, generate, train, serve, models, demo)
+COMMANDS = (backends, generate, train, serve, reward_serve, models, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

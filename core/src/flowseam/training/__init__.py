@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import FlowseamError
+from ..errors import InvalidInputError
 
 
 def _claims(attr: str) -> dict[str, list[tuple[Any, Any]]]:
@@ -33,29 +33,35 @@ def _registered(attr: str) -> dict[str, Any]:
     return out
 
 
-def _resolve(attr: str, what: str, name: str) -> Any:
-    """The object registered as ``name`` (or ``"plugin:name"``).
+def _resolve_claim(attr: str, what: str, name: str) -> tuple[Any, Any]:
+    """``(plugin record, object)`` registered as ``name`` (or ``"plugin:name"``).
 
-    :raises FlowseamError: for an unknown name (listing the registered ones), or a name that two
-        or more plugins register (listing them, and how to choose): never a silent winner.
+    :raises InvalidInputError: for an unknown name (listing the registered ones), or a name that
+        two or more plugins register (listing them, and how to choose): never a silent winner.
     """
     claims = _claims(attr)
     plugin, sep, short = name.rpartition(":")
     if sep and short in claims:
         for rec, obj in claims[short]:
             if rec.name == plugin:
-                return obj
+                return rec, obj
     if name not in claims:
-        raise FlowseamError(f"unknown {what} {name!r}; registered {attr}: {sorted(_registered(attr))}")
+        raise InvalidInputError(
+            f"unknown {what} {name!r}; registered {attr}: {sorted(_registered(attr))}")
     if len(claims[name]) > 1:
         who = ", ".join(f"{rec.name!r} ({rec.distribution} {rec.version})" for rec, _ in claims[name])
         first = claims[name][0][0].name
         others = ",".join(rec.name for rec, _ in claims[name][1:])
-        raise FlowseamError(
+        raise InvalidInputError(
             f"{what} {name!r} is registered by {len(claims[name])} plugins: {who}; flowseam does "
             f"not pick one silently. Name one as '{first}:{name}', or block the others with "
             f"FLOWSEAM_DISABLE_PLUGINS={others}")
-    return claims[name][0][1]
+    return claims[name][0]
+
+
+def _resolve(attr: str, what: str, name: str) -> Any:
+    """The object registered as ``name`` (or ``"plugin:name"``); see :func:`_resolve_claim`."""
+    return _resolve_claim(attr, what, name)[1]
 
 
 def registered_methods() -> dict[str, Any]:
@@ -80,13 +86,17 @@ def registered_rewards() -> dict[str, Any]:
 
 def get_reward(name: str, **kwargs: Any):
     """Resolve a reward plugin by name (or ``"<plugin>:<name>"``); a factory (class) is called
-    with ``kwargs``.
+    with ``kwargs``. This is the registered object itself; a training method builds its reward
+    from the config with :func:`flowseam.training.rewards.build_reward` (weighted sums, reward
+    servers, a timeout and checked calls).
 
-    :raises FlowseamError: for an unknown reward (listing the registered ones), or one that
-        several plugins register (naming them).
+    :raises InvalidInputError: for an unknown reward (listing the registered ones), one that
+        several plugins register (naming them), ``kwargs`` the factory does not take (or any for
+        a reward that is not a factory), or what the factory's ``__init__`` refuses.
     """
-    reward = _resolve("rewards", "reward", name)
-    return reward(**kwargs) if isinstance(reward, type) else reward
+    from .rewards import make_reward
+
+    return make_reward(name, _resolve("rewards", "reward", name), kwargs)
 
 
 def train(method: str, config: dict[str, Any], progress: bool = True) -> dict[str, Any]:

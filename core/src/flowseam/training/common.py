@@ -4,6 +4,7 @@ checkpoint and metrics plumbing."""
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,11 +13,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import FlowseamError
+from ..errors import FlowseamError, RewardServerError
 from ..models.base import ModelInstance
 from .distributed import DataParallel, state_checksum
-from .checkpoint import clean_temporaries, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (clean_temporaries, latest_checkpoint, load_checkpoint, rng_state,
+                         save_checkpoint, set_rng_state)
 from .guards import check_finite_weights
+from .loggers import SampleTap, open_loggers
 from .metrics import MetricsWriter, read_metrics, rewrite_metrics
 from .rundir import RunLock, check_config, record_config
 from .weight_sync import WeightRole, WeightSyncPlan
@@ -109,7 +112,8 @@ class RunFiles:
     ``checkpoint_every`` steps and always at the last step), ``run.json`` and the trained model
     (:mod:`flowseam.training.export`: ``model/``, and for LoRA runs
     ``pytorch_lora_weights.safetensors``; under ``<stage>/`` for each stage of a multi-model
-    method). One run at a time holds ``output_dir`` (:mod:`.rundir`).
+    method), and what ``[logging]`` asks for (``tensorboard/``, ``wandb/``:
+    :mod:`.loggers`). One run at a time holds ``output_dir`` (:mod:`.rundir`).
 
     Constructed before any model loads: it refuses now an ``output_dir`` that another run holds,
     or that was started with another config (differing keys listed; only ``steps`` may change).
@@ -120,6 +124,7 @@ class RunFiles:
         ``run.json``; a resume must match it).
     :ivar resumed_from: the checkpoint the run resumed from, if any.
     :ivar exported: stage name → ``{"model": dir, "lora": file}`` once the run has exported.
+    :ivar loggers: the run's TensorBoard / W&B loggers while it is open (None when off).
     """
 
     output_dir: Path | None
@@ -132,6 +137,15 @@ class RunFiles:
     lock: RunLock | None = None
     resumed_from: Path | None = None
     exported: dict[str, dict[str, Path]] = field(default_factory=dict)
+    loggers: Any = None
+
+    @property
+    def _recorded_config(self) -> dict[str, Any] | None:
+        """The config ``run.json`` records and a resume must match: all but ``[logging]``
+        (where a run logs does not change what it trains, so a resume may turn loggers on)."""
+        if self.config is None:
+            return None
+        return {k: v for k, v in self.config.items() if k != "logging"}
 
     def __post_init__(self) -> None:
         if self.output_dir is None or not self.dp.is_main:
@@ -139,7 +153,7 @@ class RunFiles:
         self.output_dir = Path(self.output_dir)
         RunLock(self.output_dir).check_free()
         if self.config is not None:
-            check_config(self.output_dir, self.method, self.config)
+            check_config(self.output_dir, self.method, self._recorded_config)
 
     def begin(self) -> None:
         """Take the lock (held until :meth:`close`), record the config, and remove what an
@@ -148,8 +162,8 @@ class RunFiles:
             return
         self.lock = RunLock(self.output_dir).acquire()
         if self.config is not None:
-            check_config(self.output_dir, self.method, self.config)
-            record_config(self.output_dir, self.method, self.config)
+            check_config(self.output_dir, self.method, self._recorded_config)
+            record_config(self.output_dir, self.method, self._recorded_config)
         if self.checkpoint_dir is not None and self.checkpoint_dir.is_dir():
             clean_temporaries(self.checkpoint_dir)
 
@@ -160,6 +174,8 @@ class RunFiles:
         if resumed_step and path.is_file():  # drop lines past the checkpoint we resume from
             rewrite_metrics(path, [r for r in read_metrics(path) if r.get("step", 0) <= resumed_step])
         self.metrics = MetricsWriter(path, append=bool(resumed_step))
+        self.loggers = open_loggers((self.config or {}).get("logging"), self.output_dir,
+                                    resumed_step, config=self.config)
 
     @property
     def checkpoint_dir(self) -> Path | None:
@@ -248,10 +264,15 @@ class RunFiles:
     def write(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.write(record)
+        if self.loggers is not None:
+            self.loggers.log_scalars(record)
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.loggers is not None:
+            self.loggers.close()
+            self.loggers = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -282,12 +303,16 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
     ``method.config["steps"]`` (stopping at non-finite weights), with a progress bar showing
     ``postfix`` from each record when ``method.progress`` is set; then, with an ``output_dir``,
     save the final checkpoint and export every stage as a model (:meth:`RunFiles.export`) and
-    release the lock.
+    release the lock. With ``[logging]`` samples on, ``method.reward`` is wrapped during the loop
+    (:class:`~flowseam.training.loggers.SampleTap`) so that the samples a due step scores are
+    logged after it.
 
     :raises FlowseamError: before the first step, if the run has an ``output_dir`` but a stage's
         model cannot be exported (it was not loaded from a checkpoint directory).
     :raises NonFiniteTrainingError: after a step that left a trainable weight NaN or infinite
         (before any checkpoint or export holds it).
+    :raises RewardServerError: when a reward server stays down through every retry: the run
+        stops with the steps done so far in a checkpoint (:func:`reward_server_stopped`).
     """
     from .export import check_exportable, exportable_stages
 
@@ -296,7 +321,7 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
             check_exportable(s.model)
     dp = getattr(method, "dp", None) or DataParallel.single()
     records: list[dict[str, Any]] = []
-    bar = None
+    bar = tap = None
     try:
         method.files.begin()  # the output_dir's lock, held until files.close()
         state = method.files.resume(stages)
@@ -310,8 +335,17 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
         if method.progress and dp.is_main:
             from tqdm.auto import tqdm
             bar = tqdm(total=method.config["steps"], initial=method.step, desc=desc, unit="step")
+        tap = SampleTap.attach(method)
         while method.step < method.config["steps"]:
-            records.append(method.train_step())
+            if tap is not None:
+                tap.before_step(method.step + 1)
+            rng = rng_state()  # as the step found them: a checkpoint after a failed step keeps them
+            try:
+                records.append(method.train_step())
+            except RewardServerError as exc:
+                raise reward_server_stopped(method, stages, desc, dp, rng, exc) from exc
+            if tap is not None:
+                tap.after_step(method.step)
             check_finite_weights({s.name: s.policy for s in stages}, f"{desc} step {method.step}")
             if bar is not None:
                 bar.update(1)
@@ -325,10 +359,45 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
             method.files.maybe_checkpoint(method.step, stages, extra, final=True)
             method.files.export(getattr(method, "name", desc), method.step, stages)
     finally:
+        if tap is not None:
+            tap.detach()
         if bar is not None:
             bar.close()
         method.files.close()
     return records
+
+
+def reward_server_stopped(method: Any, stages: list[Stage], desc: str, dp: DataParallel,
+                          rng: tuple, exc: RewardServerError) -> RewardServerError:
+    """The error that stops a run whose reward server stayed down during step
+    ``method.step + 1``: ``exc``'s message, then the last complete checkpoint and how to resume.
+
+    On one process with an ``output_dir`` the steps done so far are saved first, unless a
+    checkpoint already holds them (the weights are those of step ``method.step``: rewards are
+    scored before any update; the RNG states are put back to ``rng``, what that step found), so
+    rerunning the same command resumes there and loses no step; nothing of the failed step is
+    written. Under data parallelism only the latest checkpoint on disk is named (a save is
+    collective, and the other ranks may not have failed).
+    """
+    files = method.files
+    if files.output_dir is None:
+        where = "the run has no output_dir, so no checkpoint holds its steps"
+    else:
+        if dp.world_size == 1 and dp.is_main and method.step > 0:
+            set_rng_state(*rng)
+            extra = {"skipped_groups": method.skipped_groups} \
+                if hasattr(method, "skipped_groups") else {}
+            files.maybe_checkpoint(method.step, stages, extra, final=True)
+        latest = latest_checkpoint(files.checkpoint_dir) if files.checkpoint_dir.is_dir() else None
+        if latest is None:
+            where = "no checkpoint was written yet; rerunning the same command starts afresh"
+        else:
+            step = json.loads((latest / "state.json").read_text())["step"]
+            where = (f"the last complete checkpoint is {latest} (step {step}); rerun the same "
+                     f"command once the server is up: it resumes from {files.output_dir}'s latest "
+                     "checkpoint")
+    return RewardServerError(f"{exc}; {desc} stopped before step {method.step + 1} of "
+                             f"{method.config['steps']}: {where}")
 
 
 def check_replicas(dp: DataParallel, stages: list[Stage]) -> None:
@@ -346,13 +415,23 @@ def check_replicas(dp: DataParallel, stages: list[Stage]) -> None:
                             "from rank 0 after training")
 
 
-def reward_summary(rewards: torch.Tensor) -> dict[str, float]:
+def reward_summary(rewards: torch.Tensor,
+                   parts: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """``reward_mean`` and ``reward_std`` (population) of the finite entries of ``rewards``
-    (NaN when none is finite)."""
-    finite = rewards[torch.isfinite(rewards)]
-    if not finite.numel():
-        return {"reward_mean": float("nan"), "reward_std": float("nan")}
-    return {"reward_mean": float(finite.mean()), "reward_std": float(finite.std(unbiased=False))}
+    (NaN when none is finite); for a weighted-sum reward also each component's
+    ``reward_<label>_mean`` and ``reward_<label>_std`` over its own finite scores (``parts``:
+    label → scores, :attr:`flowseam.training.rewards.RewardScores.parts`)."""
+    def stats(values: torch.Tensor) -> tuple[float, float]:
+        finite = values[torch.isfinite(values)]
+        if not finite.numel():
+            return float("nan"), float("nan")
+        return float(finite.mean()), float(finite.std(unbiased=False))
+
+    out: dict[str, float] = {}
+    for label, values in {"": rewards, **(parts or {})}.items():
+        key = f"reward_{label}_" if label else "reward_"
+        out[f"{key}mean"], out[f"{key}std"] = stats(values)
+    return out
 
 
 def sync_updated(stages: list[Stage], stats: dict[str, Any]) -> None:

@@ -155,14 +155,71 @@ class LoraOverrides(ConfigSection):
     target_modules: Names | None = None
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _refused(message: str) -> Exception:
+    """A validation error whose message is ``message`` as is (no "Value error, " prefix)."""
+    from pydantic_core import PydanticCustomError
+
+    return PydanticCustomError("flowseam_refused", message)
+
+
+class LoggingSection(ConfigSection):
+    """``[logging]``: TensorBoard event files and a Weights & Biases run next to
+    ``metrics.jsonl`` (:mod:`flowseam.training.loggers`): every numeric field of each step's
+    record as a scalar, and every ``samples_every`` steps (and at step 1) the first ``samples``
+    samples the step's reward scored, as images (or GIFs for videos). Each logger is an
+    optional extra, refused here when it is not installed; either needs ``output_dir``."""
+
+    tensorboard: bool = False
+    wandb: typing.Literal["off", "offline", "online"] = "off"
+    wandb_project: Name = "flowseam"
+    samples_every: NonNegativeInt = 10
+    samples: NonNegativeInt = 4
+
+    @pydantic.field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, value: bool) -> bool:
+        if value and not _installed("tensorboard"):
+            raise _refused("tensorboard = true needs the tensorboard package, which is not "
+                           "installed: pip install 'flowseam[tensorboard]'")
+        return value
+
+    @pydantic.field_validator("wandb")
+    @classmethod
+    def _wandb_installed(cls, value: str) -> str:
+        if value != "off" and not _installed("wandb"):
+            raise _refused(f"wandb = {value!r} needs the wandb package, which is not "
+                           "installed: pip install 'flowseam[wandb]' (or wandb = \"off\")")
+        return value
+
+
 class RunConfig(ConfigSection):
     """The keys every training method's config has: how long, from which seed, where to write
-    (``metrics.jsonl``, ``checkpoints/``, ``run.json``), how often to checkpoint (0: never)."""
+    (``metrics.jsonl``, ``checkpoints/``, ``run.json``), how often to checkpoint (0: never), and
+    what else logs the run (``[logging]``: :class:`LoggingSection`)."""
 
     steps: PositiveInt = 10
     seed: NonNegativeInt = 0
     output_dir: Name | None = None
     checkpoint_every: NonNegativeInt = 0
+    logging: LoggingSection = LoggingSection()
+
+    @pydantic.field_validator("logging")
+    @classmethod
+    def _logging_needs_output_dir(cls, value: LoggingSection, info) -> LoggingSection:
+        if (value.tensorboard or value.wandb != "off") and info.data.get("output_dir") is None \
+                and "output_dir" in info.data:
+            raise _refused("[logging] writes under output_dir (tensorboard/, wandb/): set "
+                           "output_dir, or tensorboard = false and wandb = \"off\"")
+        return value
 
 
 def merge_overrides(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,11 @@ here; flowseam has no scheduler of its own.
   (``stats["replaced"]``, ``stats["rerun"]``).
 * **Rewards** may run in their own actors (``reward_workers``): a rollout task returns its frames
   as a separate object that goes from the rollout worker to a reward worker through the object
-  store, never through the driver.
+  store, never through the driver. A reward worker holds the trainer's reward as
+  :func:`flowseam.training.rewards.build_reward` built it (pickled: every component's callable
+  must be picklable) and scores with its checks and timeout; it returns
+  :class:`~flowseam.training.rewards.RewardScores` (a weighted sum's components included). A
+  :class:`~flowseam.errors.RewardFaultError` it raises reaches the trainer as it is.
 
 Placement: the rollout workers' resources (``num_cpus``/``num_gpus`` each) are reserved as one
 placement group (``placement``: ``"PACK"`` keeps a fleet on as few nodes as possible,
@@ -128,15 +132,17 @@ class RolloutWorker:
 
 
 class RewardWorker:
-    """A reward in its own actor: ``score(prompts, frames) -> (B,)``."""
+    """A reward in its own actor: ``score(prompts, frames) -> RewardScores`` (the total ``(B,)``
+    and, for a weighted sum, each component's), checked as in the trainer
+    (:meth:`flowseam.training.rewards.Reward.score`)."""
 
     def __init__(self, reward: Any) -> None:
-        self.reward = reward
+        from .rewards import as_reward
 
-    def score(self, prompts: list[str], frames: np.ndarray) -> torch.Tensor:
-        from .rewards import score
+        self.reward = as_reward(reward)
 
-        return score(self.reward, prompts, frames)
+    def score(self, prompts: list[str], frames: np.ndarray):
+        return self.reward.score(prompts, frames)
 
     def ping(self) -> int:
         return os.getpid()
@@ -272,10 +278,11 @@ class RolloutFleet:
 
         :param prompts: per request, the prompts its reward is scored with (reward workers only).
         :returns: ``(results, rewards)``: one LoopResult (with its frames and BehaviorRecords)
-            per request, in order; with reward workers one ``(B,)`` reward tensor per request,
-            else None.
+            per request, in order; with reward workers one
+            :class:`~flowseam.training.rewards.RewardScores` per request, else None.
         :raises FlowseamError: when more workers died than ``max_replacements``; a worker's own
-            error (a bad request) is raised as it is.
+            error (a bad request, a :class:`~flowseam.errors.RewardFaultError`) is raised as it
+            is.
         """
         ray = self._ray
         expected = dict(self.versions)
@@ -292,7 +299,12 @@ class RolloutFleet:
             s = waiting.pop(ref)
             try:
                 if ref == s.reward:
-                    rewards[s.index] = ray.get(ref)
+                    try:
+                        rewards[s.index] = ray.get(ref)
+                    except ray.exceptions.RayTaskError as exc:  # the reward's own fault
+                        if isinstance(exc.cause, FlowseamError):
+                            raise exc.cause from None
+                        raise
                     continue
                 result, held = ray.get(ref)
                 if {c: held.get(c) for c in expected} != expected:  # the worker checks too

@@ -12,7 +12,12 @@ Config (TOML/YAML or dict)::
     model = "path/to/checkpoint"       # diffusers-format directory
     backend = "cpu"                    # optional; default Platform.detect()
     prompts = ["a red ball", ...]
-    reward = "brightness"              # a registered reward plugin; reward_args = {...}
+    reward = "brightness"              # a registered reward; reward_args = {...}; or a
+                                       # reward server "http://127.0.0.1:8000/ocr"; or a
+                                       # weighted sum {ocr = 0.7, clip_score = 0.3} with
+                                       # reward_args = {ocr = {threads = 1}} (flowseam.training.
+                                       # rewards); each component logged as reward_<name>_mean/std
+    reward_timeout = 600               # seconds each reward call may take (then: a fault)
     group_size = 4                     # K >= 2
     prompts_per_step = 1
     steps = 20
@@ -68,7 +73,6 @@ from ..loops import ExecutionProfile, run_loop
 from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
-from . import get_reward
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training
 from .config import (
     ConfigSection,
@@ -88,7 +92,7 @@ from .config import (
 from .distributed import DataParallel, DistributedSection, data_parallel
 from .fleet import RaySection, fleet_from_config
 from .grpo import GroupRLConfig, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
-from .rewards import reward_input, score
+from .rewards import RewardScores, as_reward, build_reward, check_scores, reward_input
 
 
 class SamplingSection(ConfigSection):
@@ -175,10 +179,12 @@ class FlowGRPO:
     """Flow-GRPO on one model. ``FlowGRPO(config).run()``; see the module docstring.
 
     :param model: an already loaded instance (else ``config["model"]`` is loaded).
-    :param reward: a reward callable (else ``config["reward"]`` is resolved among the plugins).
+    :param reward: a reward callable (else ``config["reward"]`` is built:
+        :func:`~flowseam.training.rewards.build_reward`).
     :raises FlowseamError: for an invalid config (:class:`FlowGRPOConfig`: unknown keys, wrong
         types, values out of range, no prompts), an ``output_dir`` another run holds or that
-        was started with another config; all before the model loads.
+        was started with another config, a reward spec that cannot be built
+        (:class:`~flowseam.errors.InvalidInputError`); all before the model loads.
     """
 
     name = "flowgrpo"
@@ -208,6 +214,12 @@ class FlowGRPO:
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"], dp=self.dp, method=self.name,
                               config=cfg)
+        # the reward is built (and its factories' checks run) before the model loads
+        self.reward = as_reward(reward, cfg["reward_timeout"]) if reward is not None else \
+            build_reward(cfg["reward"], cfg["reward_args"], cfg["reward_timeout"])
+        if ray_options["reward_workers"] and self.reward.modality == "audio":
+            raise FlowseamError("[ray] reward_workers score frames; an audio reward runs in the "
+                                "trainer (set reward_workers = 0)")
         if model is None:
             if not cfg["model"]:
                 raise FlowseamError("config needs model = <checkpoint directory>")
@@ -219,12 +231,8 @@ class FlowGRPO:
                                 "image per prompt (use the workflow_rl method for image-to-video)")
         check_sampling_against(model, self.sampling, "sampling")
         self.model = model
-        self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.stage = Stage.create("dit", model, optim, lora, with_reference=self.grpo.beta > 0,
                                   dp=self.dp)
-        if ray_options["reward_workers"] and getattr(self.reward, "modality", "video") == "audio":
-            raise FlowseamError("[ray] reward_workers score frames; an audio reward runs in the "
-                                "trainer (set reward_workers = 0)")
         self.fleet = fleet_from_config(model, ray_options, lora, self.reward)
         if self.fleet is not None:  # the fleet receives every weights version from now on
             self.stage.sync.receivers.append(self.fleet)
@@ -250,7 +258,8 @@ class FlowGRPO:
         holds, one batch of its members — split into one batch per worker on a rollout fleet.
 
         :returns: ``(trajectories, results, prompts, rewards)``, one entry per batch, in group
-            then member order; ``rewards`` are the fleet's reward workers' scores (else None).
+            then member order; ``rewards`` are the fleet's reward workers' scores
+            (:class:`~flowseam.training.rewards.RewardScores`, else None).
         """
         cfg = self.config
         params = sampling_params(self.sampling)
@@ -278,10 +287,12 @@ class FlowGRPO:
             trajectories, results, prompts, scored = self.rollout(self.step)
         with timer("reward"):
             if scored is None:
-                scored = [score(self.reward, [p] * len(r.seeds), reward_input(self.reward, r))
-                          for p, r in zip(prompts, results)]
-            local = torch.cat(scored).view(len(self.shard.groups), len(self.shard.members))
-            rewards = self.shard.gather(local)  # (G, K) on every rank: whole groups
+                scored = [self.score(p, r) for p, r in zip(prompts, results)]
+            shape = (len(self.shard.groups), len(self.shard.members))
+            # (G, K) on every rank: whole groups (each component too, for a weighted sum)
+            scores = RewardScores.cat(scored).map(lambda t: self.shard.gather(t.view(shape)))
+            check_scores(self.reward, scores, f"step {self.step + 1}")
+            rewards = scores.total
         adv, valid, adv_stats = group_advantages(rewards, self.grpo)
         if adv_stats["groups_skipped_nan"]:
             self.skipped_groups += adv_stats["groups_skipped_nan"]
@@ -304,13 +315,19 @@ class FlowGRPO:
         per_rank = self.dp.gather_objects(stats)
         self.last_stats = stats = UpdateStats.merged(per_rank)
         self.step += 1
-        record = {"step": self.step, **reward_summary(rewards), **adv_stats, "groups_skipped_nan_total": self.skipped_groups, **stats.summary(),
+        record = {"step": self.step, **reward_summary(rewards, scores.parts), **adv_stats, "groups_skipped_nan_total": self.skipped_groups, **stats.summary(),
                   "updated": bool(stats.grad_norms), "weights_version": self.stage.sync.version,
                   **UpdateStats.by_rank(per_rank),
                   **{f"seconds_{k}": v for k, v in timer.seconds.items()}}
         self.files.write(record)
         self.files.maybe_checkpoint(self.step, [self.stage], {"skipped_groups": self.skipped_groups})
         return record
+
+    def score(self, prompt: str, result) -> RewardScores:
+        """The reward of every sample of ``result`` (all rendered from ``prompt``), checked
+        (:meth:`flowseam.training.rewards.Reward.score`)."""
+        reward = as_reward(self.reward, self.config["reward_timeout"])
+        return reward.score([prompt] * len(result.seeds), reward_input(reward, result))
 
     # -- the run ----------------------------------------------------------------------------
     def run(self, progress: bool = True) -> dict[str, Any]:
@@ -339,7 +356,7 @@ class FlowGRPO:
         for prompt in prompts or self.config["prompts"]:
             request = GenerationRequest([prompt] * len(seeds), self.model.card.task, params, seeds=list(seeds))
             result = run_loop(self.model, request)
-            out.append(score(self.reward, [prompt] * len(seeds), reward_input(self.reward, result)))
+            out.append(self.score(prompt, result).total)
         return torch.stack(out).mean(dim=0)
 
 

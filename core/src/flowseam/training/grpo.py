@@ -30,7 +30,6 @@ from ..loops.solvers import SolverSteps
 from ..models.base import ModelInstance
 from .config import (
     ConfigSection,
-    Name,
     Names,
     NonNegativeFloat,
     PositiveFloat,
@@ -38,6 +37,7 @@ from .config import (
     RunConfig,
 )
 from .distributed import DataParallel
+from .rewards import DEFAULT_REWARD_TIMEOUT, RewardSpec, RewardTimeout
 from .guards import clip_gradients
 
 
@@ -70,12 +70,15 @@ GRPO_DEFAULTS = GRPOConfig().model_dump()
 
 class GroupRLConfig(RunConfig):
     """The keys of every Flow-GRPO-style method: ``prompts`` (cycled, ``prompts_per_step`` per
-    step), the ``reward`` plugin (with ``reward_args``), and ``group_size >= 2`` samples per
-    prompt (the advantage is relative to the other samples of the same prompt)."""
+    step), the ``reward`` (a registered name, a reward server URL or a table of weights, with
+    ``reward_args`` and ``reward_timeout`` seconds per call: :func:`~.rewards.build_reward`),
+    and ``group_size >= 2`` samples per prompt (the advantage is relative to the other samples
+    of the same prompt)."""
 
     prompts: Names | None = None
-    reward: Name = "brightness"
+    reward: RewardSpec = "brightness"
     reward_args: dict[str, Any] = {}
+    reward_timeout: RewardTimeout = DEFAULT_REWARD_TIMEOUT
     group_size: Annotated[int, Field(ge=2)] = 4
     prompts_per_step: PositiveInt = 1
 

@@ -61,8 +61,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import FlowseamError
 from ..hookspecs import hookimpl
 from ..loading import load, read_json, resolve_checkpoint
@@ -71,7 +69,6 @@ from ..models import card_for_index
 from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import TaskType
-from . import get_reward
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
 from .config import (
     LoraOverrides,
@@ -87,7 +84,7 @@ from .config import (
 from .distributed import DataParallel
 from .flowgrpo import FlowGRPO, SamplingSection, check_sampling, require_prompts, sampling_params
 from .grpo import GroupRLConfig, GRPOConfig, UpdateStats, group_advantages, ppo_update, train_timesteps
-from .rewards import score
+from .rewards import RewardScores, as_reward, build_reward, check_scores
 
 
 class JointSampling(SamplingSection):
@@ -176,9 +173,10 @@ class JointMultiRL(FlowGRPO):
     ``flowgrpo``'s (one process, no fleet).
 
     :param model: an already loaded instance (else ``config["model"]`` is loaded).
-    :param reward: a reward callable (else ``config["reward"]`` among the plugins).
-    :raises FlowseamError: for an invalid config, naming the key and what is allowed (before any
-        weights load).
+    :param reward: a reward callable (else ``config["reward"]`` is built:
+        :func:`~flowseam.training.rewards.build_reward`).
+    :raises FlowseamError: for an invalid config or reward spec, naming the key and what is
+        allowed (before any weights load).
     """
 
     name = "joint_multi_rl"
@@ -200,6 +198,9 @@ class JointMultiRL(FlowGRPO):
         sampling_params(self.sampling)  # DiffusionParams' own checks
         self.grpo = GRPOConfig(**cfg["grpo"])
         optim, lora = cfg["optim"], cfg["lora"]
+        # the reward is built (and its factories' checks run) before the checkpoint is read
+        self.reward = as_reward(reward, cfg["reward_timeout"]) if reward is not None else \
+            build_reward(cfg["reward"], cfg["reward_args"], cfg["reward_timeout"])
         if model is None and not cfg["model"]:
             raise FlowseamError("config needs model = <checkpoint directory>")
         experts = tuple(model.experts) if model is not None else checkpoint_experts(cfg["model"])
@@ -214,7 +215,6 @@ class JointMultiRL(FlowGRPO):
         self.dp = DataParallel.single()
         self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
         self.fleet = None
-        self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.stages = [Stage.create(name, model, s["optim"], s["lora"], with_reference=self.grpo.beta > 0,
                                     component=name)
                        for name, s in self.settings.items() if not s["freeze"]]
@@ -245,8 +245,11 @@ class JointMultiRL(FlowGRPO):
         for result in results:
             check_expert_map(self.model, result)
         with timer("reward"):
-            scored = [score(self.reward, [p] * len(r.seeds), r.frames) for p, r in zip(prompts, results)]
-            rewards = torch.cat(scored).view(len(self.shard.groups), len(self.shard.members))
+            shape = (len(self.shard.groups), len(self.shard.members))
+            scores = RewardScores.cat([self.score(p, r) for p, r in zip(prompts, results)]).map(
+                lambda t: t.view(shape))
+            check_scores(self.reward, scores, f"step {self.step + 1}")
+            rewards = scores.total
         adv, _, adv_stats = group_advantages(rewards, self.grpo)
         if adv_stats["groups_skipped_nan"]:
             self.skipped_groups += adv_stats["groups_skipped_nan"]
@@ -273,7 +276,7 @@ class JointMultiRL(FlowGRPO):
             sync_updated(self.stages, stats)
         self.last_stats = stats
         self.step += 1
-        record = {"step": self.step, **reward_summary(rewards), **adv_stats, "groups_skipped_nan_total": self.skipped_groups}
+        record = {"step": self.step, **reward_summary(rewards, scores.parts), **adv_stats, "groups_skipped_nan_total": self.skipped_groups}
         for name, c in counts.items():
             record.update({f"{name}_{k}": v for k, v in c.items()})
         for stage in self.stages:

@@ -25,8 +25,10 @@ from ..errors import FlowseamError
 LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
 
-#: Config keys a resumed run may change: how far to train, and where the directory is.
-RESUMABLE_KEYS = ("steps", "output_dir")
+#: Config keys a resumed run may change: how far to train, where the directory is, how long a
+#: reward call may take (a run stopped by a reward timeout resumes with a larger one), and where
+#: its metrics are logged; none of them changes what a step computes.
+RESUMABLE_KEYS = ("steps", "output_dir", "reward_timeout", "logging")
 
 
 class RunLock:

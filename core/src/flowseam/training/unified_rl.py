@@ -36,7 +36,8 @@ Config (TOML/YAML or dict)::
     t2i_model = "..."; i2v_model = "..."   # ...or the t2i-i2v workflow (both stages trained)
     backend = "cpu"                    # optional; the LM and the generator alike
     prompts = ["draw me a 7 sliding to the left", ...]
-    reward = "digit_video"; reward_args = {}
+    reward = "digit_video"; reward_args = {}   # as flowgrpo's (a name, a reward server URL or
+                                       # a weighted sum; reward_timeout = 600 s per call)
     prompts_per_step = 1               # P
     rewrites = 4                       # N >= 2 branches per prompt
     unrefined_rewrites = 0             # of the N, how many keep the unrefined prompt (< N)
@@ -81,7 +82,6 @@ from ..models.base import ModelInstance
 from ..platform import Platform
 from ..refiner import PromptRefiner, RefinerSampling, check_template
 from ..request import GenerationRequest, TaskType
-from . import get_reward
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
 from .config import (
     ConfigSection,
@@ -100,7 +100,15 @@ from .config import (
 from .flowgrpo import SamplingSection, check_sampling, require_prompts, sampling_params
 from .grpo import GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .lm_grpo import LMGRPOConfig, lm_grpo_update
-from .rewards import score
+from .rewards import (
+    DEFAULT_REWARD_TIMEOUT,
+    RewardScores,
+    RewardSpec,
+    RewardTimeout,
+    as_reward,
+    build_reward,
+    check_scores,
+)
 from .workflow_rl import workflow_rollout
 
 #: where a run's trained LM is saved, under ``output_dir``
@@ -127,8 +135,9 @@ class UnifiedRLConfig(RunConfig):
     i2v_model: Name | None = None
     backend: Name | None = None
     prompts: Names | None = None
-    reward: Name = "brightness"
+    reward: RewardSpec = "brightness"
     reward_args: dict[str, Any] = {}
+    reward_timeout: RewardTimeout = DEFAULT_REWARD_TIMEOUT
     prompts_per_step: PositiveInt = 1
     #: N >= 2: the LM's advantage is relative to the other rewrites of the same prompt
     rewrites: Annotated[int, Field(ge=2)] = 4
@@ -191,7 +200,8 @@ class UnifiedRL:
     :param refiner: an already loaded :class:`PromptRefiner` (else ``config["lm_model"]``).
     :param model: an already loaded generator (else ``config["model"]``), or
     :param t2i, i2v: the two models of the t2i → i2v workflow (else ``t2i_model``/``i2v_model``).
-    :param reward: a reward callable (else ``config["reward"]`` among the plugins).
+    :param reward: a reward callable (else ``config["reward"]`` is built:
+        :func:`~flowseam.training.rewards.build_reward`, before any model loads).
     :raises FlowseamError: for an invalid config, naming the key and what is allowed (before any
         model loads).
     """
@@ -255,6 +265,9 @@ class UnifiedRL:
                                 "and its tokenizer, written with save_pretrained>")
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"], method=self.name, config=cfg)
+        # the reward is built (and its factories' checks run) before any model loads
+        self.reward = as_reward(reward, cfg["reward_timeout"]) if reward is not None else \
+            build_reward(cfg["reward"], cfg["reward_args"], cfg["reward_timeout"])
 
         # The models (after every check above).
         platform = None
@@ -285,7 +298,6 @@ class UnifiedRL:
                                      with_reference=self.lm_grpo.beta > 0,
                                      component=PromptRefiner.COMPONENT)
         self.stages = [self.lm_stage, *self.generator.stages]
-        self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.step = 0
         self.progress = True
         self.skipped_groups = 0
@@ -309,7 +321,11 @@ class UnifiedRL:
         """The rollout tree of step ``step``: the LM's rewrites of the refined branches (one
         batch), then per prompt the generator's N × M samples (one batch), scored against the
         prompt. Returns the prompts, the branch texts ``(P, N)``, the LM rollout, the generator
-        pieces per prompt and the rewards ``(P, N, M)``."""
+        pieces per prompt, the rewards ``(P, N, M)`` and, for a weighted-sum reward, each
+        component's ``(P, N, M)`` (``reward_parts``: label → scores).
+
+        :raises RewardFaultError: for a reward that fails, or is NaN for every sample of the step.
+        """
         seed, P, N, U, M = self.config["seed"], self.P, self.N, self.U, self.M
         prompts = self.step_prompts(step)
         lm_rows = [(i, n) for i in range(P) for n in range(U, N)]
@@ -318,15 +334,18 @@ class UnifiedRL:
         texts = [[prompts[i]] * N for i in range(P)]
         for (i, n), rewrite in zip(lm_rows, lm.rewrites):
             texts[i][n] = rewrite
-        pieces, rewards = [], []
+        pieces, scored = [], []
+        reward = as_reward(self.reward, self.config["reward_timeout"])
         for i in range(P):
             rows = [(n, k) for n in range(N) for k in range(M)]
             parts, frames = self.generator.rollout([texts[i][n] for n, _ in rows],
                                                    [derive_seed(seed, step, i, n, 1 + k) for n, k in rows])
             pieces.append(parts)
-            rewards.append(score(self.reward, [prompts[i]] * len(rows), frames).view(N, M))
+            scored.append(reward.score([prompts[i]] * len(rows), frames).map(lambda t: t.view(N, M)))
+        scores = RewardScores.stack(scored)
+        check_scores(reward, scores, f"step {step + 1}")
         return {"prompts": prompts, "texts": texts, "lm": lm, "lm_rows": lm_rows, "pieces": pieces,
-                "rewards": torch.stack(rewards)}
+                "rewards": scores.total, "reward_parts": scores.parts}
 
     def advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Group-relative advantages of both levels from ``rewards`` ``(P, N, M)``.
@@ -387,7 +406,7 @@ class UnifiedRL:
             sync_updated(self.stages, stats)
         self.last_stats, self.last_rollout = stats, tree
         self.step += 1
-        record = {"step": self.step, **reward_stats(rewards, self.U), **adv_stats,
+        record = {"step": self.step, **reward_stats(rewards, self.U, tree["reward_parts"]), **adv_stats,
                   "prompts_skipped_nan_total": self.skipped_groups,
                   **{k: v for s in self.stages for k, v in stats[s.name].summary(f"{s.name}_").items()},
                   **{f"{s.name}_weights_version": s.sync.version for s in self.stages},
@@ -431,18 +450,21 @@ class UnifiedRL:
             texts = (self.refiner.sample([prompt] * len(seeds), [derive_seed(s, 3) for s in seeds],
                                          self.lm_sampling).rewrites if refine else [prompt] * len(seeds))
             _, frames = self.generator.rollout(texts, seeds, sde=False)
-            out.append(score(self.reward, [prompt] * len(seeds), frames))
+            out.append(as_reward(self.reward, self.config["reward_timeout"])
+                       .score([prompt] * len(seeds), frames).total)
         return torch.stack(out).mean(dim=0)
 
 
-def reward_stats(rewards: torch.Tensor, unrefined: int) -> dict[str, float]:
-    """Mean and std of the finite rewards ``(P, N, M)``, and the means of the refined and the
-    unrefined branches (the latter only with unrefined branches)."""
+def reward_stats(rewards: torch.Tensor, unrefined: int,
+                 parts: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """Mean and std of the finite rewards ``(P, N, M)`` (and of each component's, ``parts``, for
+    a weighted sum: :func:`~flowseam.training.common.reward_summary`), and the means of the
+    refined and the unrefined branches (the latter only with unrefined branches)."""
     def mean(x: torch.Tensor) -> float:
         x = x[torch.isfinite(x)]
         return float(x.mean()) if x.numel() else float("nan")
 
-    out = {**reward_summary(rewards), "reward_refined_mean": mean(rewards[:, unrefined:])}
+    out = {**reward_summary(rewards, parts), "reward_refined_mean": mean(rewards[:, unrefined:])}
     if unrefined:
         out["reward_unrefined_mean"] = mean(rewards[:, :unrefined])
     return out

@@ -17,7 +17,8 @@ Config::
     t2i_model = "path/to/flux-checkpoint"
     i2v_model = "path/to/wan-i2v-checkpoint"
     t2i_backend = "cpu"; i2v_backend = "cpu"   # optional
-    prompts = [...]; reward = "brightness"; reward_args = {}
+    prompts = [...]; reward = "brightness"; reward_args = {}   # as flowgrpo's (a name, a
+                                # reward server URL or a weighted sum; reward_timeout = 600)
     group_size = 4; prompts_per_step = 1; steps = 10; seed = 0
     rollout_batch_size = 8      # samples per rollout batch, across groups (default: one group);
                                 # the update recomputes each batch as one batch too
@@ -55,7 +56,6 @@ from ..loops import ExecutionProfile, run_loop
 from ..models.base import ModelInstance
 from ..platform import Platform
 from ..request import GenerationRequest, TaskType
-from . import get_reward
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
 from .config import (
     LoraSection,
@@ -77,7 +77,7 @@ from .flowgrpo import (
     sampling_params,
 )
 from .grpo import GroupRLConfig, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
-from .rewards import score
+from .rewards import RewardScores, as_reward, build_reward, check_scores
 
 
 class WorkflowRLConfig(GroupRLConfig):
@@ -135,6 +135,9 @@ class WorkflowRL:
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"], dp=self.dp, method=self.name,
                               config=cfg)
+        # the reward is built (and its factories' checks run) before any model loads
+        self.reward = as_reward(reward, cfg["reward_timeout"]) if reward is not None else \
+            build_reward(cfg["reward"], cfg["reward_args"], cfg["reward_timeout"])
         self.t2i = t2i or _load(cfg["t2i_model"], cfg["t2i_backend"], "t2i", self.dp)
         self.i2v = i2v or _load(cfg["i2v_model"], cfg["i2v_backend"], "i2v", self.dp)
         if TaskType.T2I not in self.t2i.card.tasks or TaskType.I2V not in self.i2v.card.tasks:
@@ -145,7 +148,6 @@ class WorkflowRL:
         self.stages = [Stage.create(name, model, merge_overrides(cfg["optim"], cfg[f"{name}_optim"]),
                                     cfg["lora"], with_reference=self.grpo.beta > 0, dp=self.dp)
                        for name, model in (("t2i", self.t2i), ("i2v", self.i2v))]
-        self.reward = reward if reward is not None else get_reward(cfg["reward"], **cfg["reward_args"])
         self.step = 0
         self.progress = True
         self.skipped_groups = 0
@@ -175,9 +177,13 @@ class WorkflowRL:
             rollouts = [workflow_rollout(self.t2i, self.i2v, prompts[b], seeds[b], self.t2i_sampling,
                                          self.i2v_sampling) for b in batches]
         with timer("reward"):
-            local = torch.cat([score(self.reward, prompts[b], videos)
-                               for b, (_, _, videos) in zip(batches, rollouts)]).view(len(parts), K)
-            rewards = self.shard.gather(local)  # (G, K) on every rank: whole groups
+            reward = as_reward(self.reward, cfg["reward_timeout"])
+            scored = RewardScores.cat([reward.score(prompts[b], videos)
+                                       for b, (_, _, videos) in zip(batches, rollouts)])
+            # (G, K) on every rank: whole groups (each component too, for a weighted sum)
+            scores = scored.map(lambda t: self.shard.gather(t.view(len(parts), K)))
+            check_scores(reward, scores, f"step {self.step + 1}")
+            rewards = scores.total
         adv, valid, adv_stats = group_advantages(rewards, self.grpo)
         if adv_stats["groups_skipped_nan"]:
             self.skipped_groups += adv_stats["groups_skipped_nan"]
@@ -202,7 +208,7 @@ class WorkflowRL:
             sync_updated(self.stages, stats)
         self.last_stats = stats
         self.step += 1
-        record = {"step": self.step, **reward_summary(rewards),
+        record = {"step": self.step, **reward_summary(rewards, scores.parts),
                   **adv_stats, "groups_skipped_nan_total": self.skipped_groups,
                   **{k: v for s in self.stages for k, v in stats[s.name].summary(f"{s.name}_").items()},
                   **{k: v for s in self.stages
@@ -237,7 +243,8 @@ class WorkflowRL:
             _, _, videos = workflow_rollout(self.t2i, self.i2v, batch_prompts,
                                             [s for _, s in rows[b]], self.t2i_sampling,
                                             self.i2v_sampling, sde=False)
-            out.append(score(self.reward, batch_prompts, videos))
+            out.append(as_reward(self.reward, self.config["reward_timeout"])
+                       .score(batch_prompts, videos).total)
         return torch.cat(out).view(len(prompts), len(seeds)).mean(dim=0)
 
 
