@@ -205,10 +205,10 @@ class SampleTap:
     ``(B, F, H, W, 3)`` of a due step, with their prompts and (total) rewards. Video or image
     outputs only (an audio reward's waveforms are not kept).
 
-    It listens on ``method.reward``: for a :class:`~flowseam.training.rewards.Reward` (what the
-    methods build) its ``score`` is wrapped on that instance, so a weighted sum keeps its
-    components' scores; any other callable is stood in for by the tap (every attribute is the
-    reward's). :meth:`detach` undoes either.
+    It listens on ``method.reward``: a :class:`~flowseam.training.rewards.Reward` (what the
+    built-in methods build) gets the tap as one of its :attr:`~flowseam.training.rewards.Reward.
+    observers`; any other callable (a third-party method's) is stood in for by the tap (every
+    attribute is the reward's). :meth:`detach` undoes either.
     """
 
     def __init__(self, method: Any, loggers: RunLoggers) -> None:
@@ -222,14 +222,7 @@ class SampleTap:
         self.outputs: list[np.ndarray] = []
         self.rewards: list[float] = []
         if isinstance(self.reward, Reward):
-            inner = self.reward.score
-
-            def score(prompts, outputs):
-                scores = inner(prompts, outputs)
-                self.keep(prompts, outputs, scores.total)
-                return scores
-
-            self.reward.score = score  # an instance attribute: Reward.__call__ goes through it
+            self.reward.observers.append(self.observe)
             self.patched = True
         else:
             method.reward = self
@@ -250,6 +243,10 @@ class SampleTap:
         result = self.reward(prompts, outputs)
         self.keep(prompts, outputs, result)
         return result
+
+    def observe(self, prompts, outputs, scores) -> None:
+        """A :class:`~flowseam.training.rewards.Reward` observer: keep the total's samples."""
+        self.keep(prompts, outputs, scores.total)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["reward"], name)
@@ -285,6 +282,7 @@ class SampleTap:
     def detach(self) -> None:
         """Give the method its reward back, as it was."""
         if self.patched:
-            self.reward.__dict__.pop("score", None)
+            if self.observe in self.reward.observers:
+                self.reward.observers.remove(self.observe)
         elif self.method.reward is self:
             self.method.reward = self.reward

@@ -215,6 +215,12 @@ class Reward:
             raise InvalidInputError("a reward needs at least one component")
         self.components, self.weighted = list(components), weighted
         self.timeout = check_timeout(timeout)
+        #: called as ``observer(prompts, outputs, scores)`` after every checked :meth:`score`
+        #: (the sample logging of ``[logging]`` listens here); not pickled
+        self.observers: list[Callable[[list[str], Any, "RewardScores"], None]] = []
+
+    def __getstate__(self) -> dict[str, Any]:  # reward workers get the reward, not the listeners
+        return {**self.__dict__, "observers": []}
 
     @property
     def name(self) -> str:
@@ -253,9 +259,13 @@ class Reward:
         n = len(prompts)
         values = [_checked(c, _call(c, prompts, outputs, self.timeout), n) for c in self.components]
         if not self.weighted:
-            return RewardScores(values[0])
-        total = sum(c.weight * v.double() for c, v in zip(self.components, values)).float()
-        return RewardScores(total, {c.label: v for c, v in zip(self.components, values)})
+            scores = RewardScores(values[0])
+        else:
+            total = sum(c.weight * v.double() for c, v in zip(self.components, values)).float()
+            scores = RewardScores(total, {c.label: v for c, v in zip(self.components, values)})
+        for observer in self.observers:
+            observer(prompts, outputs, scores)
+        return scores
 
     def fault(self, problem: str) -> RewardFaultError:
         """A fault of the whole (summed) reward: every component's plugin named."""
