@@ -450,7 +450,8 @@ class UnifiedRL:
             texts = (self.refiner.sample([prompt] * len(seeds), [derive_seed(s, 3) for s in seeds],
                                          self.lm_sampling).rewrites if refine else [prompt] * len(seeds))
             _, frames = self.generator.rollout(texts, seeds, sde=False)
-            out.append(as_reward(self.reward, self.config["reward_timeout"]).score([prompt] * len(seeds), frames).total)
+            out.append(as_reward(self.reward, self.config["reward_timeout"])
+                       .score([prompt] * len(seeds), frames).total)
         return torch.stack(out).mean(dim=0)
 
 

@@ -243,7 +243,8 @@ class WorkflowRL:
             _, _, videos = workflow_rollout(self.t2i, self.i2v, batch_prompts,
                                             [s for _, s in rows[b]], self.t2i_sampling,
                                             self.i2v_sampling, sde=False)
-            out.append(as_reward(self.reward, self.config["reward_timeout"]).score(batch_prompts, videos).total)
+            out.append(as_reward(self.reward, self.config["reward_timeout"])
+                       .score(batch_prompts, videos).total)
         return torch.cat(out).view(len(prompts), len(seeds)).mean(dim=0)
 
 
