@@ -236,6 +236,8 @@ def test_bodies_are_json_and_anything_else_is_refused():
         assert status == 400 and err["field"] == "outputs" and "B = 3" in err["message"]
         status, err = post(json.dumps({**good, "extra": 1}))
         assert status == 400 and err["field"] == "extra"
+        status, err = post(b"[" * 100_000)  # nested past Python's recursion limit
+        assert status == 400 and err["field"] == "body" and "nested too deeply" in err["message"]
         r = httpx.post(served.url.replace("brightness", "ocr"), json=good)
         assert r.status_code == 404 and "'brightness'" in r.json()["error"]["message"]
     with Served(reward, "brightness", max_body_bytes=1000) as served:
@@ -362,6 +364,8 @@ def test_bad_client_arguments_are_refused_before_any_request():
             ({"batch_size": 0}, "batch_size=0"),
             ({"format": "gif"}, "format='gif'"),
             ({"api_key": " "}, "api_key"),
+            ({"api_key": "k3y\n"}, r"api_key .*holds a space, a newline .*\(the key is not "
+                                   r"shown here\)$"),
     ):
         kwargs = {"url": "http://127.0.0.1:1/ocr", **kwargs}
         with pytest.raises(InvalidInputError, match=pattern):
@@ -379,10 +383,30 @@ def test_reward_serve_refuses_bad_arguments_before_loading():
                           (["--reward-args", "[1]"], "must be a JSON object"),
                           (["--port", "70000"], "--port=70000 must be in [0, 65535]"),
                           (["--max-batch", "0"], "--max-batch=0 must be >= 1"),
+                          (["--api-key", "k3y "], "--api-key (or FLOWSEAM_REWARD_API_KEY) "
+                                                  "holds a space"),
                           (["--reward-args", '{"channel": 5}'], "channel=5 must be 0, 1 or 2")):
-        r = run_main("reward-serve", "--reward", "channel_contrast", *args)
+        # --port 0: the check must not depend on the default port being free on this machine
+        r = run_main("reward-serve", "--reward", "channel_contrast", "--port", "0", *args)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_reward_serve_names_a_factory_that_raises_as_a_plugin_fault(monkeypatch):
+    """A registered reward whose factory raises (not InvalidInputError) is the plugin's fault,
+    named as `flowseam train` names it, not an internal error of flowseam."""
+    import flowseam.training
+    from flowseam.rewards.server import RewardServeOptions, run
+
+    def broken(name, **kwargs):
+        raise RuntimeError("weights file truncated")
+
+    monkeypatch.setattr(flowseam.training, "get_reward", broken)
+    with pytest.raises(RewardFaultError, match=r"reward 'brightness' of plugin 'methods' \(flowseam"
+                                               r" .*\) raised RuntimeError: weights file truncated "
+                                               r"while being built") as info:
+        run(RewardServeOptions(reward="brightness", port=0))
+    assert info.value.plugin == "methods" and isinstance(info.value.__cause__, RuntimeError)
 
 
 def test_reward_serve_serves_an_installed_reward(monkeypatch):

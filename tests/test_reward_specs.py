@@ -18,7 +18,7 @@ from flowseam.testing.tiny import write_tiny_checkpoint
 from flowseam.training.flowgrpo import FlowGRPO
 from flowseam.training.joint_multi_rl import JointMultiRL
 from flowseam.training.metrics import read_metrics
-from flowseam.training.rewards import Reward, RewardComponent, build_reward
+from flowseam.training.rewards import Reward, RewardComponent, as_reward, build_reward
 from flowseam.training.unified_rl import UnifiedRL
 from flowseam.training.workflow_rl import WorkflowRL
 
@@ -141,6 +141,9 @@ BAD_SPECS = [
     (dict(reward="channel_contrast", reward_args={"chanel": 1}),
      r"reward_args \{'chanel': 1\} do not fit reward 'channel_contrast'.*it takes \['channel'\]"),
     (dict(reward="channel_contrast", reward_args={"channel": 5}), "channel=5 must be 0, 1 or 2"),
+    (dict(reward="http://127.0.0.1:1/brightness", reward_args={"retry": 2}),
+     r"reward_args \{'retry': 2\} do not fit reward server 'http://127.0.0.1:1/brightness'.*"
+     r"takes \['api_key', 'timeout', 'retries'"),
 ]
 
 
@@ -235,6 +238,26 @@ def test_a_failing_reward_is_named_with_its_plugin_and_stops_the_step(bad_reward
         assert isinstance(info.value.__cause__, RuntimeError)
     assert g.step == 0
     assert all(torch.equal(before[n], p) for n, p in g.stage.policy.named_parameters())
+
+
+def test_finite_weights_whose_sum_overflows_float32_are_refused():
+    """1e39 is a finite weight, but 1e39 * brightness is no float32: refused, never an inf
+    total handed to the advantages."""
+    with pytest.raises(InvalidInputError, match=r"reward 1e\+39\*brightness: the weighted sum "
+                                                r"is infinite in float32 for sample\(s\) \[0\]"):
+        build_reward({"brightness": 1e39}).score(["a"], np.ones((1, 1, 2, 2, 3), np.float32))
+
+
+def test_a_reward_that_calls_exit_is_a_fault_not_the_end_of_the_run():
+    """SystemExit raised inside a reward (a library calling sys.exit) must not end `flowseam
+    train` with status 0 and no model: it is the reward failing."""
+    def exits(prompts, outputs):
+        raise SystemExit(0)
+
+    with pytest.raises(RewardFaultError, match=r"reward 'exits' .*raised SystemExit\(0\) "
+                                               r"\(scoring 1 samples\)") as info:
+        as_reward(exits).score(["a"], np.zeros((1, 1, 2, 2, 3), np.float32))
+    assert isinstance(info.value.__cause__, SystemExit)
 
 
 def test_a_callable_handed_to_the_method_is_named_too(flux, cpu):

@@ -66,6 +66,12 @@ class RemoteReward:
             api_key = os.environ.get(API_KEY_ENV) or None
         if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
             raise InvalidInputError(f"api_key={api_key!r} must be a non-empty string (or unset)")
+        if api_key is not None and not all(33 <= ord(ch) <= 126 for ch in api_key):
+            # httpx would refuse the header and put the key into the error message
+            raise InvalidInputError(
+                f"api_key (or ${API_KEY_ENV}) holds a space, a newline or a character that is not "
+                "printable ASCII (a trailing newline of a key file?); a Bearer key is printable "
+                "ASCII without spaces (the key is not shown here)")
         self.api_key = api_key
         self.timeout = _number("timeout", timeout, positive=True)
         self.backoff = _number("backoff", backoff, positive=False)

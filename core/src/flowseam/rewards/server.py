@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import InvalidInputError
+from ..errors import FlowseamError, InvalidInputError
 from . import wire
 
 log = logging.getLogger("flowseam.rewards.server")
@@ -75,6 +75,10 @@ def check_options(opts: RewardServeOptions) -> None:
         raise InvalidInputError(f"--max-body-mb={opts.max_body_mb} must be a finite number > 0")
     if opts.api_key is not None and not opts.api_key.strip():
         raise InvalidInputError("--api-key (or FLOWSEAM_REWARD_API_KEY) is empty")
+    if opts.api_key is not None and not all(33 <= ord(ch) <= 126 for ch in opts.api_key):
+        raise InvalidInputError("--api-key (or FLOWSEAM_REWARD_API_KEY) holds a space, a newline "
+                                "or a character that is not printable ASCII, which no client can "
+                                "send in an Authorization header (the key is not shown here)")
     if opts.log_level not in LOG_LEVELS:
         raise InvalidInputError(f"--log-level={opts.log_level!r}: use one of "
                                 f"{', '.join(LOG_LEVELS)}")
@@ -214,6 +218,9 @@ def build_app(reward: Callable, name: str, *, max_batch: int = 64, api_key: str 
             data = json.loads(body)
         except (UnicodeDecodeError, ValueError) as exc:
             return error(400, "invalid_request", f"the body is not JSON ({exc})", "body")
+        except RecursionError:  # "[[[[..." nested past Python's recursion limit
+            return error(400, "invalid_request", "the body is JSON nested too deeply to read; a "
+                         "score request is {\"prompts\": [...], \"outputs\": {...}}", "body")
         try:
             prompts = wire.decode_prompts(data)
             if len(prompts) > max_batch:
@@ -276,7 +283,18 @@ def run(opts: RewardServeOptions) -> int:
             import torch
 
             torch.set_num_threads(opts.threads)
-        reward = get_reward(opts.reward, **opts.reward_args)
+        try:
+            reward = get_reward(opts.reward, **opts.reward_args)
+        except FlowseamError:
+            raise
+        except Exception as exc:  # the plugin's factory failed: its fault, named as in training
+            from ..faults import describe, is_out_of_memory
+            from ..training.rewards import RewardComponent
+
+            if is_out_of_memory(exc):
+                raise
+            raise RewardComponent(opts.reward, None, **origin).fault(
+                f"{describe(exc)} while being built with reward_args {opts.reward_args}") from exc
         app = build_app(reward, opts.reward, max_batch=opts.max_batch, api_key=opts.api_key,
                         max_body_bytes=int(opts.max_body_mb * 2**20), origin=origin)
         logging.getLogger("flowseam.rewards.server").setLevel(opts.log_level.upper())

@@ -251,6 +251,7 @@ class Reward:
 
         :returns: the total ``(B,)`` float32 (``Σ wᵢ·rᵢ``, computed in float64) and, for a
             weighted sum, every component's scores.
+        :raises InvalidInputError: when finite weights make the total infinite in float32.
         :raises RewardFaultError: for a component that raises, returns something that is not
             ``(B,)`` numbers (or an infinity), or runs past the timeout; a reward server's
             :class:`~flowseam.errors.RewardServerError`, another plugin fault and running out of
@@ -262,6 +263,13 @@ class Reward:
             scores = RewardScores(values[0])
         else:
             total = sum(c.weight * v.double() for c, v in zip(self.components, values)).float()
+            inf = torch.isinf(total)
+            if inf.any():  # finite weights and scores whose sum is past float32's range
+                raise InvalidInputError(
+                    f"reward {self.name}: the weighted sum is infinite in float32 for sample(s) "
+                    f"{inf.nonzero().flatten().tolist()} of {n} (components "
+                    f"{ {c.label: v[inf].tolist() for c, v in zip(self.components, values)} }); "
+                    "use weights of a smaller magnitude")
             scores = RewardScores(total, {c.label: v for c, v in zip(self.components, values)})
         for observer in self.observers:
             observer(prompts, outputs, scores)
@@ -311,6 +319,10 @@ def _call(comp: RewardComponent, prompts: list[str], outputs: Any, timeout: floa
             "run stops here (a slow reward needs a larger reward_timeout in the config)")
     if "error" in box:
         exc = box["error"]
+        if isinstance(exc, SystemExit):  # a library's exit() inside a reward must not end the
+            # run as a success (status 0, no model): it is the reward failing
+            raise comp.fault(f"raised SystemExit({exc.code!r}) (scoring {len(prompts)} samples)"
+                             ) from exc
         if not isinstance(exc, Exception) or isinstance(exc, PluginFaultError) or \
                 is_out_of_memory(exc) or isinstance(exc, RewardServerError):
             raise exc
@@ -457,6 +469,12 @@ def _server_component(url: str, args: Mapping[str, Any]) -> RewardComponent:
     from .. import __version__
     from ..rewards.remote import RemoteReward
 
+    try:
+        inspect.signature(RemoteReward).bind(url, **dict(args))
+    except TypeError as exc:
+        takes = [p for p in inspect.signature(RemoteReward).parameters if p != "url"]
+        raise InvalidInputError(f"reward_args {dict(args)} do not fit reward server {url!r}: "
+                                f"{exc}; a reward server URL takes {takes}") from None
     fn = RemoteReward(url, **dict(args))  # checks the URL and its own arguments
     comp = RewardComponent(url, fn, plugin="remote", distribution="flowseam", version=__version__)
     comp.label = _label(url.rstrip("/").rpartition("/")[2])
