@@ -220,3 +220,19 @@ def test_a_logger_that_is_not_installed_is_refused_with_its_extra(monkeypatch, t
     with pytest.raises(FlowseamError, match=rf"pip install 'flowseam\[{extra}\]'"):
         FlowGRPO(cfg)
     assert not (tmp_path / "run.json").exists()
+
+
+def test_wandb_online_without_a_login_is_refused_before_the_model_loads(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no such file: no login
+    cfg = dict(prompts=["a ball"], model="/nonexistent/checkpoint", output_dir=str(tmp_path / "o"),
+               logging=dict(wandb="online"))
+    with pytest.raises(FlowseamError, match=r"needs a W&B login.*wandb login"):
+        FlowGRPO(cfg)
+    assert not (tmp_path / "o").exists()
+    # what `wandb login` writes is a login (the run would then go on to the model)
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    (tmp_path / "netrc").chmod(0o600)
+    with pytest.raises(FlowseamError, match="/nonexistent/checkpoint"):
+        FlowGRPO(cfg)

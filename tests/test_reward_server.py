@@ -324,9 +324,10 @@ def test_a_server_that_stays_down_raises_after_the_configured_attempts(sleeps):
 
     sleeps.clear()
     with Served(slow, "slow") as served:
-        with pytest.raises(RewardServerError, match=r"2 attempt\(s\).*timeout 0.2 s.*ReadTimeout"):
+        # taken but not answered in time: not retried (a retry would queue behind it)
+        with pytest.raises(RewardServerError, match=r"did not answer a POST within 0.2 s"):
             RemoteReward(served.url, timeout=0.2, retries=1, backoff=0.01)(["a"], _frames(1))
-    assert sleeps == [0.01]
+    assert sleeps == []
 
 
 def test_a_reward_fault_on_the_server_is_named_and_not_retried(sleeps):
@@ -512,3 +513,14 @@ def test_a_run_whose_reward_server_dies_stops_at_a_checkpoint_and_resumes(
     assert all(torch.equal(weights[n], resumed[n]) for n in weights)  # as if it never went down
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("seconds_")} for r in rs]  # noqa: E731
     assert strip(read_metrics(out / "metrics.jsonl")) == strip(metrics)
+
+
+def test_the_cli_exits_75_for_a_reward_server_that_stays_down(capsys):
+    """EX_TEMPFAIL (sysexits.h: try again later), so a script tells "rerun once the server is up"
+    from bad input (2) and a plugin fault (3) by the status alone; one line on stderr."""
+    from flowseam.cli.boundary import report
+
+    assert report(RewardServerError("reward server http://127.0.0.1:1/ocr failed 4 attempt(s)")) == 75
+    err = capsys.readouterr().err
+    assert err == "flowseam: reward server unavailable: reward server http://127.0.0.1:1/ocr " \
+                  "failed 4 attempt(s)\n"

@@ -4,6 +4,10 @@ what the user sees, and the exit status.
 - exit 3, ``flowseam: plugin fault: MESSAGE``: a :class:`~flowseam.errors.PluginFaultError`, a
   plugin's kernel or component that failed at run time; the message names the plugin and how to
   run without it.
+- exit 75 (``EX_TEMPFAIL``: try again later), ``flowseam: reward server unavailable: MESSAGE``:
+  a :class:`~flowseam.errors.RewardServerError`, a reward server that did not answer through
+  every retry; the message names the last complete checkpoint, from which rerunning the same
+  command resumes. A script tells it from bad input (2) by the status alone.
 - exit 2, ``flowseam: error: MESSAGE``: any other :class:`~flowseam.errors.FlowseamError`: bad
   input (``InvalidInputError``; an ``InvalidParameterError`` names its field, which ``generate``
   names as its option), a checkpoint that cannot be read or is unsafe or untrusted, a backend
@@ -35,13 +39,15 @@ import threading
 import traceback
 from typing import Callable
 
-from ..errors import BackendUnavailableError, FlowseamError, PluginFaultError
+from ..errors import BackendUnavailableError, FlowseamError, PluginFaultError, RewardServerError
 from ..faults import is_out_of_memory
 
 #: Exit statuses: 2 for bad input (an option, a file, a config, a checkpoint), 3 for a plugin that
 #: failed at run time (the message names it), 1 for a bug or the machine (out of memory, the file
 #: system), 143 after SIGTERM.
 EXIT_USAGE, EXIT_PLUGIN_FAULT, EXIT_BUG, EXIT_TERMINATED = 2, 3, 1, 128 + signal.SIGTERM
+#: a service the run needs is down (a reward server): ``EX_TEMPFAIL`` of sysexits.h, "retry later"
+EXIT_TEMPFAIL = 75
 
 #: Set by the SIGTERM handler. The ``SystemExit`` it raises unwinds the command, unless the
 #: handler happened to run inside a finalizer (``__del__``, a weakref callback), where CPython
@@ -91,6 +97,9 @@ def report(exc: Exception) -> int:
     if isinstance(exc, PluginFaultError):  # before FlowseamError: a fault is one
         _say(f"plugin fault: {exc}")
         return EXIT_PLUGIN_FAULT
+    if isinstance(exc, RewardServerError):  # before FlowseamError: a retry may succeed
+        _say(f"reward server unavailable: {exc}")
+        return EXIT_TEMPFAIL
     if isinstance(exc, BackendUnavailableError):  # one line; the table has the details
         first = (str(exc).strip().splitlines() or [""])[0].rstrip(" ;:").removesuffix("; backends")
         named = " (--backend, or backend = in a training config)" if "backend '" in first else ""

@@ -37,9 +37,11 @@ class RemoteReward:
     ``max_batch``; every batch of at most ``batch_size`` samples is one ``POST url``.
 
     Each request has ``timeout`` seconds (to connect, and between bytes of the answer). A request
-    that fails to connect, times out, or gets a 5xx answer other than a reward fault is tried
+    that fails to connect or send, or gets a 5xx answer other than a reward fault, is tried
     again, ``retries`` times at most, after ``backoff``, ``2 * backoff``, ``4 * backoff``, ...
-    seconds. A 4xx answer (a bad request, a wrong API key, a batch over the server's
+    seconds. A request the server took but did not answer within ``timeout`` is not: the server
+    scores one request at a time, so a retry would only queue behind the one it is still
+    scoring; the error says to raise ``timeout``. A 4xx answer (a bad request, a wrong API key, a batch over the server's
     ``--max-batch``) is not retried: the request itself is wrong.
 
     :param url: ``http://HOST:PORT/NAME`` or ``https://...``: the served reward's address.
@@ -179,7 +181,13 @@ class RemoteReward:
                     response = client.request(method, self.url)
                 else:
                     response = client.request(method, self.url, json=body)
-            except httpx.TransportError as exc:  # connect/read/write errors and timeouts
+            except httpx.ReadTimeout:  # sent, and the server is still at it: not retried
+                raise RewardServerError(
+                    f"reward server {self.url} did not answer a {method} within {self.timeout:g} s "
+                    f"(attempt {attempt + 1} of {attempts}); it may still be scoring, and a retry "
+                    "would queue behind it: raise timeout in reward_args, or check the server"
+                ) from None
+            except httpx.TransportError as exc:  # connect/write errors and connect timeouts
                 last = f"{type(exc).__name__}: {exc or 'no answer'}"
                 continue
             status = response.status_code

@@ -155,6 +155,23 @@ class LoraOverrides(ConfigSection):
     target_modules: Names | None = None
 
 
+def _wandb_logged_in() -> bool:
+    """Whether W&B has an API key to log in with: ``WANDB_API_KEY``, or the ``api.wandb.ai``
+    (or ``$WANDB_BASE_URL``'s host) entry that ``wandb login`` writes to the netrc file
+    (``$NETRC``, else ``~/.netrc``)."""
+    import netrc
+    import os
+    from urllib.parse import urlsplit
+
+    if os.environ.get("WANDB_API_KEY", "").strip():
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def _installed(module: str) -> bool:
     import importlib.util
 
@@ -198,6 +215,10 @@ class LoggingSection(ConfigSection):
         if value != "off" and not _installed("wandb"):
             raise _refused(f"wandb = {value!r} needs the wandb package, which is not "
                            "installed: pip install 'flowseam[wandb]' (or wandb = \"off\")")
+        if value == "online" and not _wandb_logged_in():
+            raise _refused("wandb = \"online\" needs a W&B login, and there is none (no "
+                           "WANDB_API_KEY, no api.wandb.ai entry in ~/.netrc): run `wandb login`, "
+                           "or use wandb = \"offline\" and `wandb sync` the run later")
         return value
 
 
