@@ -106,11 +106,12 @@ def test_models_lists_where_the_demo_models_are(tmp_path, capsys):
 
     assert main(["models", "--cache", str(tmp_path / "empty-cache")]) == 0
     text = capsys.readouterr().out
-    for name in ("digits-t2i", "digits-i2v"):
+    for name in ("digits-t2i", "digits-i2v", "text-t2i"):
         assert str(shipped_dir() / name) in text
     assert "20 steps, 32x32, 32 text tokens" in text  # digits-t2i's serving defaults
     assert f"flowseam generate --model {shipped_dir() / 'digits-t2i'}" in text
     assert main(["models", "--json", "--cache", str(tmp_path / "empty-cache")]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {(r["name"], r["source"], r["matches_recipe"]) for r in rows} == \
-        {("digits-t2i", "shipped", True), ("digits-i2v", "shipped", True)}
+        {("digits-t2i", "shipped", True), ("digits-i2v", "shipped", True),
+         ("text-t2i", "shipped", True)}

@@ -1,5 +1,9 @@
 """Build the demo's models from their recipes, and find them again without retraining.
 
+The recipes come in worlds (:data:`WORLDS`): ``digits`` (``digits-t2i`` and ``digits-i2v``, the
+main job's two models, trained on real handwritten digits) and ``text`` (``text-t2i``, trained on
+short strings rendered in a real font, :mod:`flowseam.demo.text`).
+
 A recipe (``recipes/digits-t2i.toml``, ``recipes/digits-i2v.toml``; TOML read with
 :func:`flowseam.training.config.load_config`) names a card, the sizes of its real diffusers
 architecture (overrides for :func:`flowseam.testing.tiny.write_tiny_checkpoint`), how its VAE is
@@ -7,7 +11,7 @@ trained and the config of the ``finetune`` method that trains its transformer. B
 
 1. assemble the card's pipeline with random weights (``write_tiny_checkpoint``: the real
    ``FluxPipeline`` / ``WanImageToVideoPipeline`` classes, saved with ``save_pretrained``);
-2. train its VAE on the digits' generator split (:func:`train_vae`: reconstruction MSE plus a
+2. train its VAE on the recipe's data (:func:`train_vae`: reconstruction MSE plus a
    small KL, AdamW), then set the latent statistics the pipeline normalises with (Flux's
    ``shift_factor`` / ``scaling_factor``, Wan's per-channel ``latents_mean`` / ``latents_std``)
    and save it in place (``save_pretrained``);
@@ -22,7 +26,8 @@ Everything is built on the ``cpu`` backend, in float32.
 
 :func:`ensure_models` finds each model by its recipe hash, in this order: the cache directory,
 then the weights shipped inside the package (``flowseam/demo/weights``), else it builds into the
-cache. The held-out split of :mod:`flowseam.demo.data` is never used here.
+cache. The held-out split of :mod:`flowseam.demo.data` is never used here. :func:`ship` copies a
+built model into the shipped weights and records it in their manifest.
 """
 
 from __future__ import annotations
@@ -39,9 +44,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..errors import FlowseamError
+from ..errors import FlowseamError, InvalidInputError
 
-RECIPE_NAMES = ("digits-t2i", "digits-i2v")
+#: the demo's worlds and their recipes (``flowseam demo --world NAME``; ``digits`` is the default)
+WORLDS = {"digits": ("digits-t2i", "digits-i2v"), "text": ("text-t2i",)}
+DEFAULT_WORLD = "digits"
+RECIPE_NAMES = WORLDS[DEFAULT_WORLD]
 MANIFEST = "manifest.json"
 RECIPE_COPY = "flowseam_recipe.toml"  # the recipe, saved inside each model directory
 UNHASHED = ("serve", "eval")  # recipe tables that do not change the weights
@@ -86,29 +94,46 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("FLOWSEAM_DEMO_CACHE") or Path.cwd() / "outputs" / "models")
 
 
-def default_recipe_dir() -> Path:
+def check_world(world: str) -> tuple[str, ...]:
+    """The recipe names of ``world``.
+
+    :raises InvalidInputError: for a world the demo does not have, naming the allowed ones.
+    """
+    if world not in WORLDS:
+        raise InvalidInputError(f"world={world!r} is not a demo world; allowed: "
+                                f"{', '.join(sorted(WORLDS))}")
+    return WORLDS[world]
+
+
+def default_recipe_dir(world: str = DEFAULT_WORLD) -> Path:
     """``recipes/`` of the checkout this package runs from, else the recipe copies shipped
-    with the weights (so an installed package can still check and rebuild them).
+    with the weights (so an installed package can still check and rebuild them), for the
+    recipes of ``world`` (:data:`WORLDS`).
 
     :raises FlowseamError: if neither exists, saying how to pass ``--recipes``.
     """
+    names = check_world(world)
     here = Path(__file__).resolve()
     for parent in here.parents:
         candidate = parent / "recipes"
-        if all((candidate / f"{n}.toml").is_file() for n in RECIPE_NAMES):
+        if all((candidate / f"{n}.toml").is_file() for n in names):
             return candidate
     shipped = shipped_dir()
-    if all((shipped / n / RECIPE_COPY).is_file() for n in RECIPE_NAMES):
+    if all((shipped / n / RECIPE_COPY).is_file() for n in names):
         return shipped
-    raise FlowseamError("cannot find the demo recipes (recipes/digits-t2i.toml and "
-                        "recipes/digits-i2v.toml); pass --recipes DIR")
+    raise FlowseamError("cannot find the demo recipes ("
+                        + " and ".join(f"recipes/{n}.toml" for n in names)
+                        + "); pass --recipes DIR")
 
 
-def read_recipes(directory: str | os.PathLike | None = None) -> dict[str, Recipe]:
-    """Every demo recipe in ``directory`` (``NAME.toml`` or ``NAME/flowseam_recipe.toml``)."""
-    directory = Path(directory) if directory is not None else default_recipe_dir()
+def read_recipes(directory: str | os.PathLike | None = None,
+                 world: str = DEFAULT_WORLD) -> dict[str, Recipe]:
+    """Every recipe of ``world`` in ``directory`` (``NAME.toml`` or
+    ``NAME/flowseam_recipe.toml``; default :func:`default_recipe_dir`)."""
+    names = check_world(world)
+    directory = Path(directory) if directory is not None else default_recipe_dir(world)
     out = {}
-    for name in RECIPE_NAMES:
+    for name in names:
         path = directory / f"{name}.toml"
         if not path.is_file():
             path = directory / name / RECIPE_COPY
@@ -197,9 +222,10 @@ def write_serve_defaults(model_dir: Path, recipe: Recipe) -> None:
 
 def demo_models(cache_dir: str | os.PathLike | None = None,
                 recipes: dict[str, Recipe] | None = None) -> list[dict[str, Any]]:
-    """Where each demo model is installed: one row per recipe and place (the cache directory,
-    then the weights shipped in the package), with its card, whether it matches the current
-    recipe, and its serving defaults. A place that holds no model of the recipe is left out.
+    """Where each demo model is installed: one row per recipe (default: every world's, in
+    :data:`WORLDS` order) and place (the cache directory, then the weights shipped in the
+    package), with its card, whether it matches the current recipe, and its serving defaults. A
+    place that holds no model of the recipe is left out.
 
     :returns: ``[{"name", "path", "source" ("cache" | "shipped"), "card", "matches_recipe",
         "serve"}]``, in the order :func:`ensure_models` looks.
@@ -207,7 +233,8 @@ def demo_models(cache_dir: str | os.PathLike | None = None,
     from ..defaults import read_checkpoint_defaults
 
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    recipes = recipes if recipes is not None else read_recipes()
+    if recipes is None:
+        recipes = {name: r for world in WORLDS for name, r in read_recipes(world=world).items()}
     rows = []
     for name, recipe in recipes.items():
         for source, place in (("cache", cache), ("shipped", shipped_dir())):
@@ -247,7 +274,9 @@ def build_model(recipe: Recipe, cache_dir: str | os.PathLike, *, quick: bool = F
     started = time.perf_counter()
     seed = int(cfg.get("seed", 0))
     dataset = recipe_dataset(recipe, quick)
-    log(f"{recipe.name}: {len(dataset)} examples from the digits' generator split")
+    kind = cfg.get("data", {}).get("kind")
+    log(f"{recipe.name}: {len(dataset)} examples ("
+        + ("rendered text" if kind == "text" else "the digits' generator split") + ")")
 
     # 1. The real pipeline classes with random weights, saved with save_pretrained.
     pipe_dir = write_tiny_checkpoint(card, work / "pipeline", seed=seed,
@@ -316,8 +345,10 @@ def _load(path: Path, platform):
 
 def recipe_dataset(recipe: Recipe, quick: bool = False) -> list[tuple[str, np.ndarray]]:
     """The recipe's ``[data]``: ``kind = "t2i"`` (digit images) or ``"i2v"`` (moving digits),
-    from the generator split only."""
+    from the generator split only, or ``"text"`` (rendered strings,
+    :func:`flowseam.demo.text.text_dataset`)."""
     from .data import i2v_dataset, t2i_dataset
+    from .text import text_dataset
 
     data = dict(recipe.config.get("data", {}))
     kind = data.pop("kind", None)
@@ -328,7 +359,37 @@ def recipe_dataset(recipe: Recipe, quick: bool = False) -> list[tuple[str, np.nd
         return t2i_dataset(limit=limit, **data)
     if kind == "i2v":
         return i2v_dataset(limit=limit, **data)
-    raise FlowseamError(f"recipe {recipe.path}: [data] kind={kind!r}; allowed: 't2i', 'i2v'")
+    if kind == "text":
+        return text_dataset(limit=limit, **data)
+    raise FlowseamError(f"recipe {recipe.path}: [data] kind={kind!r}; allowed: 't2i', 'i2v', "
+                        "'text'")
+
+
+def ship(name: str, cache_dir: str | os.PathLike | None = None,
+         target: str | os.PathLike | None = None) -> Path:
+    """Copy the model ``name`` built into ``cache_dir`` (default :func:`default_cache_dir`)
+    into the shipped weights (``target``, default :func:`shipped_dir`), replacing any older
+    copy, and record its cache manifest entry in the shipped ``manifest.json``. Returns the
+    shipped directory.
+
+    :raises FlowseamError: if the cache holds no full (non-quick) build of ``name``.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = Path(target) if target is not None else shipped_dir()
+    entry = read_manifest(cache).get(name)
+    if not entry or entry.get("quick") or not (cache / name / "model_index.json").is_file():
+        raise FlowseamError(f"{cache} holds no full build of {name!r} to ship (build it with "
+                            f"flowseam demo --build-only --rebuild --cache {cache})")
+    tmp = target / f".{name}.ship"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(cache / name, tmp)
+    if (target / name).exists():
+        shutil.rmtree(target / name)
+    os.replace(tmp, target / name)
+    manifest = read_manifest(target)
+    manifest[name] = entry
+    write_manifest(target, manifest)
+    return target / name
 
 
 # -- the VAE --------------------------------------------------------------------------------------

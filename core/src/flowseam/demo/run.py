@@ -1,4 +1,5 @@
-"""``flowseam demo``: the main job end to end on real handwritten digits.
+"""``flowseam demo``: the main job end to end on real handwritten digits (the ``digits`` world;
+``--world text`` runs :func:`flowseam.demo.text_run.run_text_demo` instead).
 
 1. print the backend table (as ``flowseam backends``);
 2. find the demo models by their recipe hash (the cache, then the weights shipped in the package)
@@ -79,6 +80,10 @@ class DemoOptions:
     no_shipped: bool = False
     threads: int | None = None
     fps: int = 4
+    #: ``"digits"`` (the main job above) or ``"text"`` (:mod:`flowseam.demo.text_run`)
+    world: str = "digits"
+    #: text world: disjoint held-out seed sets (None: its default)
+    seed_sets: int | None = None
 
 
 def default_threads() -> int:
@@ -97,6 +102,12 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     import torch
     from threadpoolctl import threadpool_limits
 
+    from .build import check_world
+
+    check_world(opts.world)
+    if opts.world != "digits":
+        raise InvalidInputError(f"run_demo runs the digits world, not world={opts.world!r}; "
+                                "the text world is flowseam.demo.text_run.run_text_demo")
     threads = opts.threads or default_threads()
     torch.set_num_threads(threads)
     with threadpool_limits(limits=threads):
@@ -343,9 +354,12 @@ def _write_grid(path: Path, prompts: list[str], results: list, title: str) -> No
 
 
 def _write_reward_plot(path: Path, records: list[dict], before: np.ndarray,
-                       after: np.ndarray) -> None:
+                       after: np.ndarray, xlabel: str = "workflow_rl step",
+                       ylabel: str = "digit_video reward",
+                       title: str = "workflow_rl on the final video: digit probability x motion"
+                       ) -> None:
     """The mean training reward per step (and its running mean), with the held-out mean before
-    and after RL."""
+    and after RL (the error bars: the std of ``before`` / ``after``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -367,9 +381,9 @@ def _write_reward_plot(path: Path, records: list[dict], before: np.ndarray,
                                            "held-out, after", "green")):
         ax.errorbar([x], [value.mean()], yerr=[spread], fmt="s", color=color, capsize=4,
                     label=f"{name}: {value.mean():.3f}")
-    ax.set_xlabel("workflow_rl step")
-    ax.set_ylabel("digit_video reward")
-    ax.set_title("workflow_rl on the final video: digit probability x motion")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
