@@ -145,10 +145,17 @@ def build_app(reward: Callable, name: str, *, max_batch: int = 64, api_key: str 
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(),
                                                                   api_key.encode())
 
-    def unauthorized() -> JSONResponse:
-        return error(401, "unauthorized", "this reward server needs 'Authorization: Bearer KEY' "
-                     "(the api_key of RemoteReward, or FLOWSEAM_REWARD_API_KEY)",
-                     headers={"WWW-Authenticate": "Bearer"})
+    def refused(served: str, request: Request) -> JSONResponse | None:
+        """The answer to a request without the key (401) or for another path (404), else
+        None: what both reward routes check first."""
+        if not authorized(request):
+            return error(401, "unauthorized", "this reward server needs 'Authorization: Bearer "
+                         "KEY' (the api_key of RemoteReward, or FLOWSEAM_REWARD_API_KEY)",
+                         headers={"WWW-Authenticate": "Bearer"})
+        if "/" + served != path:
+            return error(404, "not_found", f"this server serves reward {name!r} at {path}, not "
+                         f"/{served}")
+        return None
 
     def description() -> dict[str, Any]:
         return {"name": name, "modality": modality, **origin, "max_batch": max_batch,
@@ -188,20 +195,14 @@ def build_app(reward: Callable, name: str, *, max_batch: int = 64, api_key: str 
 
     @app.get("/{served:path}")
     async def describe(served: str, request: Request):
-        if not authorized(request):
-            return unauthorized()
-        if "/" + served != path:
-            return error(404, "not_found", f"this server serves reward {name!r} at {path}, not "
-                         f"/{served}")
+        if (refusal := refused(served, request)) is not None:
+            return refusal
         return description()
 
     @app.post("/{served:path}")
     async def score(served: str, request: Request):
-        if not authorized(request):
-            return unauthorized()
-        if "/" + served != path:
-            return error(404, "not_found", f"this server serves reward {name!r} at {path}, not "
-                         f"/{served}")
+        if (refusal := refused(served, request)) is not None:
+            return refusal
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != wire.CONTENT_TYPE:
             return error(415, "unsupported_media_type", f"the body must be {wire.CONTENT_TYPE} "
