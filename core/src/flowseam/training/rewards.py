@@ -594,18 +594,12 @@ def reward_input(reward, result) -> np.ndarray:
     return result.frames
 
 
-def score_parts(reward: Any, prompts: list[str], outputs: Any,
-                timeout: float | None = None) -> RewardScores:
-    """Score ``outputs`` with ``reward`` (a :class:`Reward`, or a callable wrapped by
-    :func:`as_reward` with ``timeout``), every call checked (:meth:`Reward.score`)."""
-    return as_reward(reward, timeout).score(prompts, outputs)
-
-
 def score(reward: Any, prompts: list[str], outputs: Any,
           timeout: float | None = None) -> torch.Tensor:
-    """Call ``reward`` and check its result: the total ``(B,)`` float32 (:func:`score_parts`).
+    """Call ``reward`` (a :class:`Reward`, or a callable wrapped by :func:`as_reward` with
+    ``timeout``) and check its result (:meth:`Reward.score`): the total ``(B,)`` float32.
 
     :raises RewardFaultError: for a reward that raises, returns a wrong shape or something that
         is not numbers, or runs past ``timeout`` (naming the plugin and the reward).
     """
-    return score_parts(reward, prompts, outputs, timeout).total
+    return as_reward(reward, timeout).score(prompts, outputs).total
