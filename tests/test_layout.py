@@ -62,6 +62,7 @@ LAYER = {
     "flowseam.console": SEAM,           # shared CLI output; above the platform it reports on
     "flowseam.attention": SEAM,         # the attention route the DiTs' processors call
     "flowseam.causal_attention": SEAM,  # block-causal masks and the KV cache's attention
+    "flowseam.parallel": SEAM,          # sequence/CFG parallelism: process groups, split hooks
     "flowseam.step_constants": SEAM,
     "flowseam.noise": SEAM,
     "flowseam.media": SEAM,

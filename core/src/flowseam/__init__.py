@@ -64,6 +64,7 @@ from .request import DiffusionParams, GenerationRequest, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loading import load
+    from .parallel import Parallel
     from .loops import (
         BehaviorRecord,
         Chunk,
@@ -79,7 +80,7 @@ __version__ = "0.1.0"
 
 #: Public names whose modules import torch, imported on first access: name -> module.
 _LAZY = {
-    "load": "loading",
+    "load": "loading", "Parallel": "parallel",
     "BehaviorRecord": "loops", "ExecutionProfile": "loops", "LoopResult": "loops",
     "run_loop": "loops", "rollout_loop": "loops", "stream_loop": "loops", "Chunk": "loops",
     "record_velocity": "loops",
@@ -109,7 +110,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BehaviorRecord", "Chunk", "DiffusionParams", "ExecutionProfile", "GenerationRequest",
-    "LoopResult", "TaskType", "load", "record_velocity", "rollout_loop", "run_loop", "stream_loop",
+    "LoopResult", "Parallel", "TaskType", "load", "record_velocity", "rollout_loop", "run_loop", "stream_loop",
     "Availability", "BackendInfo", "BackendUnavailableError", "BoundKernel", "CheckpointError",
     "ComponentBuildError", "ComponentFaultError", "ComponentRecord", "ComponentSpec",
     "ConformanceExpectations", "FlowseamError", "InvalidInputError", "InvalidParameterError",

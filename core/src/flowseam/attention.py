@@ -110,15 +110,23 @@ def routed_processor(inner: Any, attn: Callable) -> RoutedAttnProcessor:
     return _routed_class(type(inner))(inner, attn)
 
 
-def route_attention(model: Any, attn: Callable) -> Callable[[], None]:
+def route_attention(model: Any, attn: Callable,
+                    choose: Callable[[str], Callable] | None = None) -> Callable[[], None]:
     """Send every attention call of diffusers ``model`` (a ``ModelMixin`` with attention
     processors: WanTransformer3DModel, FluxTransformer2DModel, LTX2VideoTransformer3DModel, ...)
     to ``attn(q, k, v, attn_mask=None, scale=None)`` with q/k/v ``(B, heads, seq, head_dim)``.
+    A model already routed is re-routed (its stock processors are kept, not wrapped twice).
 
+    :param choose: processor name (``blocks.0.attn1.processor``) → the callable for that layer,
+        instead of ``attn`` for every layer (sequence parallelism routes self- and
+        cross-attention differently).
     :returns: a callable that restores the model's original processors.
     """
     original = dict(model.attn_processors)
+    stock = {name: p.inner if isinstance(p, RoutedAttnProcessor) else p
+             for name, p in original.items()}
     model.set_attention_backend("native")
-    model.set_attn_processor({name: routed_processor(p, attn) for name, p in original.items()})
+    model.set_attn_processor({name: routed_processor(p, attn if choose is None else choose(name))
+                              for name, p in stock.items()})
     return lambda: model.set_attn_processor(original)
 

@@ -7,7 +7,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from . import loops  # noqa: F401  (registers the loops a loaded model runs: flowseam.runner)
 from .components import ComponentSpec, check_component_class
@@ -19,6 +19,9 @@ from .models.base import ModelCard, ModelInstance
 from .platform import Platform
 from .request import DiffusionParams, TaskType
 from .schedulers import SERVING_DEFAULTS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .parallel import Parallel
 
 
 def looks_like_path(text: str) -> bool:
@@ -90,7 +93,7 @@ def read_card(path_or_hub_id: str | os.PathLike) -> ModelCard:
 
 def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
          ignore_scheduler_options: Iterable[str] = (), quiet: bool = False,
-         verbose: bool = False) -> ModelInstance:
+         verbose: bool = False, parallel: "Parallel | None" = None) -> ModelInstance:
     """Load a diffusers-format checkpoint (WanPipeline, WanImageToVideoPipeline, Wan2.2's
     two-expert layouts of both, FluxPipeline, LTX2Pipeline, LTX2ImageToVideoPipeline, or
     flowseam's causal Wan layout) into a flowseam model instance.
@@ -114,6 +117,12 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     :param ignore_scheduler_options: scheduler_config.json keys (or ``"_class_name"``) that
         flowseam does not implement, to ignore with a warning instead of refusing them.
     :param quiet: do not print flowseam's load line.
+    :param parallel: split every generation over several processes
+        (:class:`flowseam.Parallel`: sequence and CFG parallelism, :mod:`flowseam.parallel`);
+        this process must be one of ``parallel.world_size`` ranks started by torchrun or
+        ``flowseam generate --nproc``, and every rank loads and then runs the same requests. A
+        layout the card cannot run (a loop that cannot be split, heads ``sp`` does not divide, no
+        CFG branch) is refused before any weights load.
     :param verbose: let diffusers and transformers print their loading progress bars and
         notices (off by default: :func:`flowseam.console.library_output`).
     :raises FlowseamError: for a missing directory, an unreachable hub, a missing or corrupt
@@ -123,11 +132,12 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     :raises ValueError: if no card matches the checkpoint's pipeline class.
     """
     with library_output(verbose):
-        return _load(path_or_hub_id, platform, ignore_scheduler_options, quiet)
+        return _load(path_or_hub_id, platform, ignore_scheduler_options, quiet, parallel)
 
 
 def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
-          ignore_scheduler_options: Iterable[str], quiet: bool) -> ModelInstance:
+          ignore_scheduler_options: Iterable[str], quiet: bool,
+          parallel: "Parallel | None" = None) -> ModelInstance:
     root = resolve_checkpoint(path_or_hub_id)
     index_file = root / "model_index.json"
     index = read_json(index_file)
@@ -137,6 +147,9 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
     # refuses an incomplete checkpoint, and a class outside the allow-list (nothing imported)
     plan = component_plan(root, index, card, platform.declared_component_classes())
     configs = check_layout(card, index, root)
+    if parallel is not None and parallel.enabled:
+        card.instance.check_parallel_layout(
+            parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name)
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     raw = read_json(scheduler_file) if (root / "scheduler").is_dir() else None
     solver = None  # a card whose loop has its own sampler (the causal one) reads no scheduler
@@ -171,6 +184,8 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
     instance.serve_defaults = serve_defaults
     instance.route_attention()
     instance.install_step_constants()
+    if parallel is not None and parallel.enabled:
+        instance.parallelize(parallel)
     if not quiet:
         experts = f" (experts {', '.join(instance.experts)}, boundary timestep " \
                   f"{instance.boundary_timestep:g})" if instance.boundary_timestep is not None else ""

@@ -51,6 +51,9 @@ def run(model: "ModelInstance", request: GenerationRequest,
     # 1. Check inputs: fill the card's defaults, validate, one generator per sample; switch the
     #    DiT experts to the request's LoRA set (each file read once per model; flowseam.adapters).
     params = model.check(request)
+    model.check_parallel(params)  # split over ranks (flowseam.parallel): tokens that divide
+    if model.parallel is not None:  # every rank stops at the step any rank's callback raises
+        step_callback = model.parallel.agreed(step_callback)
     capture = profile is ExecutionProfile.ROLLOUT
     check_cache(params.cache, capture)
     model.adapters.activate(params.lora)

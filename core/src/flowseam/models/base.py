@@ -35,6 +35,7 @@ from ..request import DiffusionParams, GenerationRequest, TaskType
 from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..parallel import Parallel
     from ..platform import Platform
 
 
@@ -144,6 +145,11 @@ class ModelInstance:
     #: an image-to-video card that takes a list of images, one per prompt, in one request (a
     #: batch of B first frames); the others take one image per request
     IMAGE_PER_SAMPLE: ClassVar[bool] = False
+    #: where the DiT's token sequence is split and gathered for sequence parallelism
+    #: (:class:`flowseam.parallel.SequenceSplit`); None: the card's loop cannot be split
+    SEQUENCE_SPLIT: ClassVar[Any] = None
+    #: why a card without :attr:`SEQUENCE_SPLIT` cannot be split (shown when ``--sp`` is refused)
+    NO_SPLIT_REASON: ClassVar[str] = "its loop has no sequence split"
 
     def __init__(self, card: ModelCard, platform: "Platform", components: dict[str, Any],
                  path: Path | None, solver: SolverConfig | None, *,
@@ -168,6 +174,10 @@ class ModelInstance:
         self.unused_components: dict[str, str] = {}
         #: the checkpoint's own serving defaults (``flowseam.json``'s ``serve`` table)
         self.serve_defaults: dict[str, Any] = {}
+        #: this rank's :class:`~flowseam.parallel.ParallelGroups` when one generation is split
+        #: over several processes (:meth:`parallelize`), else None
+        self.parallel = None
+        self._parallel_modules: set[int] = set()
 
     def provenance(self, solver: bool = True) -> str:
         """One line: where each component (device/plugin, dtype) and each kernel (its
@@ -183,6 +193,8 @@ class ModelInstance:
         kern = ", ".join(f"{op}={k.impl_id}{' (fallback)' if k.provenance.device != first else ''}"
                          for op, k in self.platform.kernels.resolved().items())
         line = f"[{self.card.name}] components: {comps}; kernels: {kern}"
+        if self.parallel is not None:
+            line += f"; parallel: {self.parallel.parallel} (rank {self.parallel.rank})"
         if self.unused_components:
             line += "; not loaded: " + ", ".join(f"{n} ({why})"
                                                  for n, why in self.unused_components.items())
@@ -399,6 +411,105 @@ class ModelInstance:
         attention = self.platform.kernels.get(ops.ATTENTION)
         for expert in self.experts.values():
             route_attention(expert, attention)
+
+    # -- one generation over several processes ----------------------------------------------
+    @classmethod
+    def check_parallel_layout(cls, parallel: "Parallel", heads: Mapping[str, int],
+                              name: str) -> None:
+        """Refuse a :class:`~flowseam.parallel.Parallel` layout this card cannot run, naming the
+        numbers — from the DiT experts' ``config.json`` (``heads``: expert name → attention
+        heads), so :func:`flowseam.load` refuses it before any weights load.
+
+        :raises InvalidInputError: a loop that cannot be split, heads that ``sp`` does not
+            divide, or ``cfg`` on a model with no unconditional branch.
+        """
+        if parallel.sp > 1:
+            if cls.SEQUENCE_SPLIT is None:
+                raise InvalidInputError(f"--sp {parallel.sp}: {name} cannot split its "
+                                        f"sequence ({cls.NO_SPLIT_REASON}); drop --sp")
+            from ..parallel import check_split
+
+            for expert, n in heads.items():
+                check_split(parallel, heads=int(n), tokens=0, model=f"{name}'s {expert}")
+        if parallel.cfg and not cls.HAS_CFG_BRANCHES:
+            raise InvalidInputError(f"--cfg-parallel: {name} has no unconditional "
+                                    f"branch to run on other ranks ({cls.NO_CFG_REASON})")
+
+    #: whether the card runs CFG as two branches (conditional, unconditional) that
+    #: ``--cfg-parallel`` can put on two groups of ranks
+    HAS_CFG_BRANCHES: ClassVar[bool] = False
+    NO_CFG_REASON: ClassVar[str] = "it runs one DiT pass per step"
+
+    def parallelize(self, parallel: "Parallel") -> None:
+        """Split every generation of this model over ``parallel.world_size`` ranks (this process
+        is one; every rank calls it, and then runs the same requests): the DiT experts' token
+        sequence per :attr:`SEQUENCE_SPLIT`, their self-attention through the platform's
+        ``sequence_parallel_attention`` op, and with ``cfg`` one CFG branch per group of ranks
+        (:mod:`flowseam.parallel`).
+
+        :raises InvalidInputError: as :meth:`check_parallel_layout`.
+        :raises FlowseamError: when this process is not one of ``parallel.world_size`` ranks.
+        """
+        import functools
+
+        from .. import ops
+        from ..attention import route_attention
+        from ..parallel import ParallelGroups
+
+        self.check_parallel_layout(parallel, {n: e.config.num_attention_heads
+                                              for n, e in self.experts.items()}, self.card.name)
+        groups = ParallelGroups.create(parallel)
+        if parallel.sp > 1:
+            local = self.platform.kernels.get(ops.ATTENTION)
+            split_attention = functools.partial(
+                self.platform.kernels.get(ops.SEQUENCE_PARALLEL_ATTENTION),
+                group=groups.sp_group, attention=local)
+            split = self.SEQUENCE_SPLIT
+
+            def self_attention(q, k, v, attn_mask=None, scale=None):
+                if attn_mask is not None:
+                    raise InvalidInputError("sequence-parallel self-attention takes no mask")
+                return split_attention(q, k, v, scale=scale)
+
+            for expert in self.experts.values():
+                split.install(expert, groups)
+                route_attention(expert, local, choose=lambda name: local if split.is_cross(name)
+                                else self_attention)
+        self._parallel_modules = {id(e) for e in self.experts.values()}
+        self.parallel = groups
+
+    def is_split(self, dit: torch.nn.Module) -> bool:
+        """Whether ``dit`` runs split over this model's ranks (one of its own experts after
+        :meth:`parallelize`; a trainer's copy does not)."""
+        return self.parallel is not None and id(dit) in self._parallel_modules
+
+    def check_parallel(self, params: DiffusionParams) -> None:
+        """Refuse a request the model's split cannot run (tokens after patching that ``sp`` does
+        not divide, CFG parallelism without CFG); nothing when the model is not split.
+
+        :raises InvalidInputError: naming the numbers.
+        """
+        if self.parallel is None:
+            return
+        from ..parallel import check_split
+
+        parallel = self.parallel.parallel
+        tokens, text_tokens = self.sequence_tokens(params)
+        check_split(parallel, heads=int(self.dit.config.num_attention_heads), tokens=tokens,
+                    text_tokens=text_tokens, model=self.card.name)
+        if params.cache is not None:
+            raise InvalidInputError(
+                f"cache={params.cache}: step caching decides per rank from local tokens; it is "
+                "not implemented with --sp / --cfg-parallel (drop one)")
+        if parallel.cfg and params.guidance_scale <= 1.0:
+            raise InvalidInputError(
+                f"--cfg-parallel: guidance_scale={params.guidance_scale} runs no unconditional "
+                "branch (CFG needs guidance_scale > 1); drop --cfg-parallel")
+
+    def sequence_tokens(self, params: DiffusionParams) -> tuple[int, int | None]:
+        """(the DiT's tokens after patching for ``params``, the text tokens that join its
+        self-attention or None) — for the cards with a :attr:`SEQUENCE_SPLIT`."""
+        raise NotImplementedError
 
     # -- step bodies (card-specific) -----------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:

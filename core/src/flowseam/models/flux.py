@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidInputError
+from ..parallel import SequenceSplit
 from ..request import (
     DiffusionParams,
     GenerationRequest,
@@ -41,6 +42,20 @@ class FluxT2I(ModelInstance):
     """FLUX.1 text-to-image. Packed latents ``(B, (H/16)*(W/16), 64)``."""
 
     SHARED_CONDITION_KEYS = ("text_ids", "img_ids")  # position ids, the same for every row
+    #: sequence parallelism (diffusers' ``FluxTransformer2DModel._cp_plan``): the image and the
+    #: text tokens are split with their position ids at the DiT's input, so the rotary
+    #: embedding is computed for each rank's own (global) positions; every attention is joint
+    #: self-attention over both; the output projection (image tokens) is gathered
+    SEQUENCE_SPLIT = SequenceSplit(
+        inputs={"": {"hidden_states": 1, "encoder_hidden_states": 1, "img_ids": 0, "txt_ids": 0}},
+        gather={"proj_out": 1})
+    NO_CFG_REASON = "FLUX.1 is guidance-distilled: guidance_scale is embedded in one pass"
+
+    def sequence_tokens(self, params: DiffusionParams) -> tuple[int, int]:
+        """``(H/16) * (W/16)`` image tokens and ``max_sequence_length`` text tokens, which join
+        the self-attention."""
+        f = self.vae_scale_factor * 2
+        return (params.height // f) * (params.width // f), params.max_sequence_length
 
     @property
     def vae_scale_factor(self) -> int:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidInputError
+from ..parallel import SequenceSplit
 from ..request import (
     DiffusionParams,
     GenerationRequest,
@@ -63,6 +64,21 @@ class WanT2V(ModelInstance):
     STEP_CONSTANTS = ("condition_embedder.text_embedder", "condition_embedder.image_embedder",
                       "attn2.to_k", "attn2.to_v", "attn2.norm_k", "attn2.add_k_proj",
                       "attn2.add_v_proj", "attn2.norm_added_k")
+
+    #: sequence parallelism (diffusers' ``WanTransformer3DModel._cp_plan``): the rotary
+    #: embedding (computed for the whole video) and the first block's tokens are split, the
+    #: output projection gathered; ``attn2`` attends from the local tokens to the whole text
+    SEQUENCE_SPLIT = SequenceSplit(inputs={"blocks.0": {"hidden_states": 1}},
+                                   outputs={"rope": {0: 1, 1: 1}}, gather={"proj_out": 1},
+                                   cross_attention=("attn2",))
+    HAS_CFG_BRANCHES = True
+
+    def sequence_tokens(self, params: DiffusionParams) -> tuple[int, None]:
+        """``F' * (H' / p_h) * (W' / p_w)`` latent patches; the text is cross-attended."""
+        p_t, p_h, p_w = self.dit.config.patch_size
+        frames = (params.num_frames - 1) // self.vae_temporal_factor + 1
+        h, w = params.height // self.vae_spatial_factor, params.width // self.vae_spatial_factor
+        return (frames // p_t) * (h // p_h) * (w // p_w), None
 
     # -- 1. check -------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
@@ -164,6 +180,11 @@ class WanT2V(ModelInstance):
         without CFG), each ``(B, 16, F', H', W')``, from one DiT call on a batch of
         ``len(branches) * B``."""
         expert, dit = self._expert(timestep, expert, dit)
+        if len(branches) == 2 and self.is_split(dit) and self.parallel.parallel.cfg:
+            # CFG parallelism: this rank's group runs one branch; the two are exchanged
+            mine = branches[self.parallel.cfg_rank]
+            return self.parallel.gather_branches(self.branch_velocity(
+                latents, timestep, cond, params, [mine], dit=dit, expert=expert)[0])
         x, extra = self.dit_inputs(latents, cond)
         if cond.negative_embeds is None:
             return [dit(hidden_states=x, timestep=timestep, encoder_hidden_states=cond.prompt_embeds,

@@ -84,6 +84,12 @@ class WanCausalT2V(WanT2V):
     generated in chunks of ``chunk_frames`` latent frames.
     """
 
+    SEQUENCE_SPLIT = None  # its chunks attend through the KV cache, which is not split
+    NO_SPLIT_REASON = ("the causal loop attends chunk by chunk through a KV cache; "
+                       "sequence parallelism of the cache is not implemented")
+    HAS_CFG_BRANCHES = False
+    NO_CFG_REASON = "the causal loop is not split over ranks"
+
     def __init__(self, card: ModelCard, platform, components, path, solver=None,
                  **kwargs) -> None:
         super().__init__(card, platform, components, path, solver, **kwargs)

@@ -120,6 +120,24 @@ corrector=True) -> UniPCStepOutput(sample, state)``
     flash-attn's ``flash_attn_with_kvcache``), and so that a backend without it falls back to
     the next device visibly (``platform.explain()``).
 
+``SEQUENCE_PARALLEL_ATTENTION``: ``attn(q, k, v, *, group, attention, scale=None)``
+    Self-attention over a sequence split across the ranks of the torch.distributed process group
+    ``group`` (``N = group.size()`` ranks): rank ``r`` passes its contiguous shard, rows
+    ``[r * S/N, (r + 1) * S/N)`` of q, k and v, each ``(B, heads, S/N, head_dim)`` (every rank
+    the same shape), and gets back the same rows of the unsplit call::
+
+        attention(cat_r(q_r), cat_r(k_r), cat_r(v_r), scale=scale)[:, :, r*S/N:(r+1)*S/N]
+
+    in ``q``'s dtype. ``attention`` is the platform's resolved ``ATTENTION`` kernel: an
+    implementation that decomposes the call (Ulysses' all-to-all, DeepSpeed-Ulysses, Jacobs et
+    al. 2023: trade the sequence split for a head split, attend, trade back) runs its
+    full-sequence part with it; a fused one (ring attention, Liu et al. 2023) may ignore it. No
+    mask (the split DiTs' self-attention has none). Every rank of ``group`` calls it with the same
+    shapes (a collective). ``heads`` must be a multiple of ``N`` for an all-to-all
+    implementation, which raises ``ValueError`` naming both otherwise. Forward only: a tensor
+    that requires grad is refused (flowseam splits generation and rollouts; a training update
+    runs each sample's full sequence on one rank).
+
 ``FLOW_RENOISE``: ``renoise(x0, noise, sigma) -> (1 - sigma) * x0 + sigma * noise``
     Re-noising a predicted clean sample ``x0`` to noise level ``sigma`` with fresh standard
     normal ``noise`` (the flow-matching forward process; diffusers
@@ -147,9 +165,11 @@ UNIPC_STEP = "unipc_step"
 ATTENTION = "attention"
 CACHED_ATTENTION = "cached_attention"
 FLOW_RENOISE = "flow_renoise"
+SEQUENCE_PARALLEL_ATTENTION = "sequence_parallel_attention"
 
 #: Every op flowseam defines a contract for. Plugins may register only these.
-ALL_OPS = (FLOW_MATCH_STEP, FLOW_SDE_STEP, UNIPC_STEP, ATTENTION, CACHED_ATTENTION, FLOW_RENOISE)
+ALL_OPS = (FLOW_MATCH_STEP, FLOW_SDE_STEP, UNIPC_STEP, ATTENTION, CACHED_ATTENTION, FLOW_RENOISE,
+           SEQUENCE_PARALLEL_ATTENTION)
 
 #: The solver ops: a loop picks its steps from them once, before the first step, from the
 #: model's resolved solver (flowseam.schedulers); stochastic sampling is ``FLOW_MATCH_STEP`` to
@@ -313,6 +333,27 @@ def check_attention(q: Any, k: Any, v: Any) -> None:
             "k (B,H,Lk,D), v (B,H,Lk,Dv)")
 
 
+def check_sequence_parallel_attention(q: Any, k: Any, v: Any, world_size: int,
+                                      heads_split: bool = True) -> None:
+    """Validate a split self-attention call: q/k/v as for attention with one sequence length
+    (self-attention), and, for an implementation that splits the heads, ``heads`` a multiple of
+    ``world_size``. Raises ValueError naming the shapes and numbers."""
+    check_attention(q, k, v)
+    qs, ks = _shape(q), _shape(k)
+    if ks[2] != qs[2]:
+        raise InvalidInputError(
+            f"sequence-parallel attention is self-attention: q has {qs[2]} local rows, k {ks[2]}")
+    if heads_split and qs[1] % world_size:
+        raise InvalidInputError(
+            f"sequence parallelism over {world_size} ranks needs heads divisible by "
+            f"{world_size}; the attention has {qs[1]} heads")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if getattr(t, "requires_grad", False):
+            raise InvalidInputError(
+                f"sequence-parallel attention runs forward only; {name} requires grad (a "
+                "training update runs each sample's full sequence on one rank)")
+
+
 def check_cached_attention(q: Any, k: Any, v: Any, cache_k: Any, cache_v: Any) -> None:
     """Validate cached attention shapes: q/k/v as for attention, the caches (B, heads, Lc, D)
     and (B, heads, Lc, Dv), both given or both None. Raises ValueError naming the shapes."""
@@ -469,8 +510,8 @@ def sde_std_dev_t(sigma: float, noise_level: float, sigma_max: float | None) -> 
 
 __all__ = [
     "ALL_OPS", "ATTENTION", "CACHED_ATTENTION", "FLOW_MATCH_STEP", "FLOW_RENOISE", "FLOW_SDE_STEP",
-    "SDEStepOutput", "SOLVER_OPS", "UNIPC_MAX_ORDER", "UNIPC_STEP",
+    "SDEStepOutput", "SEQUENCE_PARALLEL_ATTENTION", "SOLVER_OPS", "UNIPC_MAX_ORDER", "UNIPC_STEP",
     "UniPCCoefficients", "UniPCState", "UniPCStepOutput", "as_sigma", "check_attention",
-    "check_cached_attention", "check_renoise", "check_sigmas", "check_step_tensors", "check_unipc",
+    "check_cached_attention", "check_renoise", "check_sequence_parallel_attention", "check_sigmas", "check_step_tensors", "check_unipc",
     "sde_std_dev_t", "unipc_coefficients", "unipc_order",
 ]

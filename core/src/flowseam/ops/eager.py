@@ -24,6 +24,7 @@ from . import (
     check_attention,
     check_cached_attention,
     check_renoise,
+    check_sequence_parallel_attention,
     check_sigmas,
     check_step_tensors,
     check_unipc,
@@ -157,6 +158,50 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if cache_k is not None and cache_k.shape[2]:
         k, v = torch.cat([cache_k, k], dim=2), torch.cat([cache_v, v], dim=2)
     return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                      attention, scale: float | None = None) -> torch.Tensor:
+    """Sequence-parallel self-attention by all-to-all (DeepSpeed-Ulysses, Jacobs et al. 2023,
+    arXiv:2309.14509): q/k/v ``(B, H, S/N, D)``, this rank's rows of the sequence, are traded
+    for ``(B, H/N, S, D)``, this rank's ``H/N`` heads over the whole sequence (one
+    ``all_to_all_single`` each), ``attention`` runs on those, and one more all-to-all trades the
+    result back to ``(B, H, S/N, D)`` (contract in :mod:`flowseam.ops`). Bytes moved per rank
+    and call: ``4 * (N-1)/N * B*H*(S/N)*D * itemsize`` sent (and as many received).
+
+    :raises ValueError: heads not a multiple of N, q/k/v of different lengths, or grad.
+    """
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    check_sequence_parallel_attention(q, k, v, n)
+    if n == 1:
+        return attention(q, k, v, scale=scale)
+    heads = [_rows_to_heads(t, n, group) for t in (q, k, v)]
+    return _heads_to_rows(attention(*heads, scale=scale), n, group)
+
+
+def _rows_to_heads(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """``(B, H, s, D)`` rows of rank r → ``(B, H/n, n*s, D)``: head chunk j goes to rank j, and
+    rank j's rows arrive in rank order (the global sequence order)."""
+    import torch.distributed as dist
+
+    B, H, s, D = x.shape
+    send = x.reshape(B, n, H // n, s, D).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's rows of my heads
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * s, D)
+
+
+def _heads_to_rows(x: torch.Tensor, n: int, group) -> torch.Tensor:
+    """The inverse of :func:`_rows_to_heads`: ``(B, H/n, n*s, D)`` → ``(B, H, s, D)``."""
+    import torch.distributed as dist
+
+    B, h, S, D = x.shape
+    send = x.reshape(B, h, n, S // n, D).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's heads of my rows
+    return recv.transpose(0, 1).reshape(B, n * h, S // n, D)
 
 
 def flow_renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor:

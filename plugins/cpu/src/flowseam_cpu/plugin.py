@@ -35,6 +35,7 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
         KernelRegistration(ops.ATTENTION, kernels.attention),
         KernelRegistration(ops.CACHED_ATTENTION, kernels.cached_attention),
         KernelRegistration(ops.FLOW_RENOISE, kernels.flow_renoise),
+        KernelRegistration(ops.SEQUENCE_PARALLEL_ATTENTION, kernels.ulysses_attention),
     ]
 
 

@@ -54,6 +54,9 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
         KernelRegistration(ops.ATTENTION, torch_kernels.attention, arch="generic"),
         KernelRegistration(ops.CACHED_ATTENTION, torch_kernels.cached_attention, arch="generic"),
         KernelRegistration(ops.FLOW_RENOISE, torch_kernels.flow_renoise, arch="generic"),
+        # the all-to-all over nccl (torch.distributed picks it for CUDA tensors)
+        KernelRegistration(ops.SEQUENCE_PARALLEL_ATTENTION, torch_kernels.ulysses_attention,
+                           arch="generic"),
     ]
 
 

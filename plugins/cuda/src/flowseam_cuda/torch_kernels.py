@@ -31,11 +31,12 @@ from flowseam.ops.eager import (  # the generic rung
     flow_match_step,
     flow_renoise,
     flow_sde_step,
+    ulysses_attention,
     unipc_step,
 )
 
 __all__ = ["attention", "attention_fast", "cached_attention", "flow_match_step", "flow_renoise",
-           "flow_sde_step", "unipc_step"]
+           "flow_sde_step", "ulysses_attention", "unipc_step"]
 
 
 @functools.cache

@@ -1,0 +1,261 @@
+"""One generation across several processes: Ulysses sequence parallelism and CFG parallelism.
+
+``Parallel(sp=N, cfg=True)`` asks for ``N`` ranks per sequence and, with ``cfg``, two such
+groups, one per CFG branch (``2 * N`` ranks in all). Rank ``r`` of the world is CFG branch
+``r // N`` (0: unconditional, 1: conditional) and sequence shard ``r % N``.
+
+**Sequence parallelism** (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509; the split
+points of diffusers' ``_cp_plan`` for the same classes): a card declares a
+:class:`SequenceSplit` — where its DiT's token sequence is split (and the rotary embedding with
+it, so every op that depends on position sees global positions) and where the DiT's output is
+gathered. Between the two points every rank holds ``1/N`` of the tokens; the card's
+self-attention modules call the platform's ``sequence_parallel_attention`` op (the cpu backend's
+is the Ulysses all-to-all around the platform's ``attention``; a backend may register its own,
+e.g. ring attention), and everything else — cross-attention to the text, the MLPs, the norms —
+runs on the local tokens. Nothing of diffusers is patched: the split and the gather are torch
+forward hooks, the attention goes through :func:`flowseam.attention.route_attention`.
+
+**CFG parallelism**: the unconditional and the conditional pass run on different ranks, each a
+batch of ``B``; their velocities are exchanged (one all-gather in the two-rank CFG group) and
+combined before the solver step, which every rank then runs on the same full latents.
+
+What is gathered each step is the DiT's output, the velocity (the latents' size); the loop's
+latents, its solver state, noise, log-probs and BehaviorRecords stay those of one process on every
+rank, so a rollout records exactly what one process would, and a trainer's update (which runs
+each sample's full sequence on one rank) recomputes it. Sharding the solver too would save that
+gather — under 1 % of the all-to-all traffic of a DiT step (``bench/parallel.py``) — at the cost
+of a distributed reduction inside every solver op; flowseam does not.
+
+Without gradients only: a split forward that requires grad is refused (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .errors import FlowseamError, InvalidInputError
+
+
+class ParallelStopError(FlowseamError):
+    """Another rank of a split generation stopped it (its step callback raised: a cancelled
+    request, a client that went away)."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one generation is split over ranks.
+
+    :param sp: sequence-parallel degree: ranks that share one sequence (>= 1).
+    :param cfg: run the unconditional and conditional CFG branches on two groups of ``sp``
+        ranks.
+    :raises ValueError: (``InvalidInputError``) for ``sp`` not a positive int.
+    """
+
+    sp: int = 1
+    cfg: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sp, bool) or not isinstance(self.sp, int) or self.sp < 1:
+            raise InvalidInputError(f"sp={self.sp!r} must be an int >= 1")
+        if not isinstance(self.cfg, bool):
+            raise InvalidInputError(f"cfg={self.cfg!r} must be True or False")
+
+    @property
+    def cfg_degree(self) -> int:
+        return 2 if self.cfg else 1
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks one generation needs: ``sp * (2 if cfg else 1)``."""
+        return self.sp * self.cfg_degree
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def __str__(self) -> str:
+        return f"sp={self.sp}" + (" cfg-parallel" if self.cfg else "")
+
+
+def check_split(parallel: Parallel, *, heads: int, tokens: int, text_tokens: int | None = None,
+                model: str = "the DiT") -> None:
+    """Refuse a split that does not divide: ``heads`` (per attention layer) and ``tokens`` (the
+    DiT's sequence after patching; and ``text_tokens`` when the text joins the self-attention,
+    as in FLUX) must be multiples of ``parallel.sp``.
+
+    :raises InvalidInputError: naming the numbers.
+    """
+    n = parallel.sp
+    if n == 1:
+        return
+    if heads % n:
+        raise InvalidInputError(
+            f"--sp {n}: {model} has {heads} attention heads, not a multiple of {n} (Ulysses "
+            f"gives each rank heads/sp heads); use an sp that divides {heads}")
+    if tokens % n:
+        raise InvalidInputError(
+            f"--sp {n}: the request makes {tokens} tokens after patching, not a multiple of {n}; "
+            "change the height, width or frames, or use an sp that divides it")
+    if text_tokens is not None and text_tokens % n:
+        raise InvalidInputError(
+            f"--sp {n}: {model} attends jointly over {text_tokens} text tokens, not a multiple "
+            f"of {n}; set max_sequence_length to a multiple of {n}")
+
+
+class ParallelGroups:
+    """This process's place in a :class:`Parallel` layout, with its process groups.
+
+    Build it with :meth:`create` on every rank (a collective: torch.distributed's ``new_group``).
+
+    :ivar rank: this rank in the world. :ivar sp_rank: its shard ``r % sp``.
+    :ivar cfg_rank: its CFG branch ``r // sp`` (0: unconditional, 1: conditional).
+    :ivar sp_group: the ``sp`` ranks of its branch. :ivar cfg_group: the (1 or 2) ranks holding
+        its shard, one per branch.
+    """
+
+    def __init__(self, parallel: Parallel, rank: int, sp_group: Any, cfg_group: Any) -> None:
+        self.parallel = parallel
+        self.rank = rank
+        self.sp_rank, self.cfg_rank = rank % parallel.sp, rank // parallel.sp
+        self.sp_group, self.cfg_group = sp_group, cfg_group
+
+    @classmethod
+    def create(cls, parallel: Parallel) -> "ParallelGroups":
+        """The groups of ``parallel`` over the default process group, created (``env://``, gloo
+        for CPU tensors and nccl for CUDA ones) if torchrun started this process and nobody has
+        yet.
+
+        :raises FlowseamError: when the world's size is not ``parallel.world_size``, or the
+            process was not started as a rank (``flowseam generate --nproc N`` or torchrun).
+        """
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            if world != parallel.world_size or "MASTER_ADDR" not in os.environ:
+                raise FlowseamError(
+                    f"Parallel({parallel}) needs {parallel.world_size} ranks; this process is "
+                    f"not one of them (WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')}): start "
+                    f"it with flowseam generate --nproc {parallel.world_size} or torchrun")
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(
+                backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != parallel.world_size:
+            raise FlowseamError(f"Parallel({parallel}) needs {parallel.world_size} ranks; the "
+                                f"process group has {world}")
+        n, c = parallel.sp, parallel.cfg_degree
+        sp_groups = [dist.new_group([b * n + s for s in range(n)]) for b in range(c)]
+        cfg_groups = [dist.new_group([b * n + s for b in range(c)]) for s in range(n)]
+        return cls(parallel, rank, sp_groups[rank // n], cfg_groups[rank % n])
+
+    # -- the collectives a split generation needs --------------------------------------------
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous ``1/sp`` of ``x`` along ``dim`` (no communication)."""
+        return x.chunk(self.parallel.sp, dim=dim)[self.sp_rank]
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every shard of the sequence group, concatenated along ``dim`` in rank order."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.parallel.sp)]
+        dist.all_gather(parts, x.contiguous(), group=self.sp_group)
+        return torch.cat(parts, dim=dim)
+
+    def gather_branches(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """``[unconditional, conditional]`` velocities from this rank's one branch."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(parts, mine.contiguous(), group=self.cfg_group)
+        return parts
+
+    def agreed(self, step_callback: Callable | None) -> Callable:
+        """A step callback every rank calls at every step: it runs ``step_callback`` (this
+        rank's; None on ranks that have none, e.g. a server's workers) and, when any rank's
+        raised, raises on every rank — the raising rank's own exception, on the others
+        :class:`ParallelStopError` — so no rank is left waiting in a collective."""
+        def callback(i: int, n: int, latents: torch.Tensor) -> None:
+            error = None
+            if step_callback is not None:
+                try:
+                    step_callback(i, n, latents)
+                except BaseException as exc:  # re-raised below, after every rank knows
+                    error = exc
+            if self.any(error is not None):
+                if error is not None:
+                    raise error
+                raise ParallelStopError(f"another rank stopped the generation at step {i}")
+
+        return callback
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any (so every rank stops together)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Where a card's DiT splits and gathers its token sequence (diffusers' ``_cp_plan`` points).
+
+    :param inputs: submodule name (``""``: the DiT itself) → {argument name: dim}: those
+        arguments are sharded along ``dim`` before the submodule runs.
+    :param outputs: submodule name → {output index: dim}: those outputs are sharded after it
+        runs (e.g. the rotary embedding, computed for the whole sequence).
+    :param gather: submodule name → dim: its output is gathered after it runs.
+    :param cross_attention: suffixes of attention modules that attend from the local tokens to
+        something unsplit (Wan's ``attn2``: the text); every other attention module is
+        self-attention over the split sequence.
+    """
+
+    inputs: dict[str, dict[str, int]] = field(default_factory=dict)
+    outputs: dict[str, dict[int, int]] = field(default_factory=dict)
+    gather: dict[str, int] = field(default_factory=dict)
+    cross_attention: tuple[str, ...] = ()
+
+    def install(self, dit: torch.nn.Module, groups: ParallelGroups) -> Callable[[], None]:
+        """Register the hooks on ``dit``; returns a callable that removes them."""
+        import inspect
+
+        handles = []
+        for name, args in self.inputs.items():
+            module = dit.get_submodule(name)
+            params = list(inspect.signature(module.forward).parameters)
+
+            def pre(mod, a, kw, args=args, params=params):
+                a = list(a)
+                for arg, dim in args.items():
+                    if arg in kw and kw[arg] is not None:
+                        kw[arg] = groups.shard(kw[arg], dim)
+                    elif arg in params and params.index(arg) < len(a):
+                        a[params.index(arg)] = groups.shard(a[params.index(arg)], dim)
+                return tuple(a), kw
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        for name, outs in self.outputs.items():
+            def post(mod, a, out, outs=outs):
+                out = list(out)
+                for i, dim in outs.items():
+                    out[i] = groups.shard(out[i], dim)
+                return tuple(out)
+
+            handles.append(dit.get_submodule(name).register_forward_hook(post))
+        for name, dim in self.gather.items():
+            handles.append(dit.get_submodule(name).register_forward_hook(
+                lambda mod, a, out, dim=dim: groups.gather(out, dim)))
+        return lambda: [h.remove() for h in handles]
+
+    def is_cross(self, processor_name: str) -> bool:
+        """Whether the attention module of ``processor_name`` (``blocks.0.attn2.processor``)
+        attends to something unsplit."""
+        module = processor_name.rsplit(".processor", 1)[0]
+        return any(module.endswith(s) for s in self.cross_attention)
