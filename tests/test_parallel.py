@@ -1,0 +1,158 @@
+"""Sequence (Ulysses) and CFG parallelism: one generation split over torch.distributed ranks.
+
+Each split generation is compared with the same request run in one process (the reference is
+flowseam's own unsplit loop, which tests/test_models.py checks against diffusers): frames within
+1e-5. Each job also records what it split — the tokens and batch entering a DiT block, and the
+calls each kind of attention routed — so a run that silently did not split would fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flowseam
+from flowseam import DiffusionParams, InvalidInputError, Parallel
+from flowseam.testing.tiny import write_tiny_checkpoint
+
+HELPER = Path(__file__).parent / "helpers" / "parallel_job.py"
+WAN = dict(num_steps=2, height=32, width=32, num_frames=5, guidance_scale=4.0)
+FLUX = dict(num_steps=2, height=32, width=32, max_sequence_length=16)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    image = root / "image.npy"
+    np.save(image, np.random.default_rng(0).random((32, 32, 3)).astype(np.float32))
+    cards = ("wan2.1-t2v", "wan2.1-i2v", "wan2.2-t2v", "flux.1-t2i")
+    return {c: write_tiny_checkpoint(c, root / c) for c in cards} | {"image": image, "root": root}
+
+
+def one_process(path, params, image=None) -> np.ndarray:
+    model = flowseam.load(path, flowseam.Platform("cpu"), quiet=True)
+    img = np.load(image) if image is not None else None
+    return model.generate(["a red ball"], image=img, seeds=[7],
+                          params=DiffusionParams(**params)).frames
+
+
+def torchrun(jobs: list[dict], root: Path, nproc: int) -> list[dict]:
+    spec = root / f"jobs-{nproc}.json"
+    spec.write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={nproc}", str(HELPER), str(spec)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [dict(np.load(j["out"])) for j in jobs]
+
+
+def job(ckpts, card, sp, cfg, params, name, image=False) -> dict:
+    return {"model": str(ckpts[card]), "sp": sp, "cfg": cfg, "params": params,
+            "image": str(ckpts["image"]) if image else None,
+            "out": str(ckpts["root"] / f"{name}.npz")}
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_for_every_splittable_card(ckpts):
+    """Wan2.1 T2V and I2V and Wan2.2's two experts with --sp 2 and with --cfg-parallel, FLUX.1
+    with --sp 2: frames within 1e-5 of one process; the block saw half the tokens (sp) or half
+    the batch (CFG); tokens that 2 does not divide are refused naming the count."""
+    cases = [("wan2.1-t2v", WAN, False), ("wan2.1-i2v", WAN, True), ("wan2.2-t2v", WAN, False)]
+    jobs = []
+    for card, params, image in cases:
+        jobs.append(job(ckpts, card, 2, False, params, f"{card}-sp2", image))
+        jobs.append(job(ckpts, card, 1, True, params, f"{card}-cfg", image))
+    jobs.append(job(ckpts, "flux.1-t2i", 2, False, FLUX, "flux-sp2"))
+    odd = dict(WAN, height=48, width=48, num_frames=1)  # 1 x 3 x 3 = 9 tokens after patching
+    jobs.append(job(ckpts, "wan2.1-t2v", 2, False, odd, "odd"))
+    results = torchrun(jobs, ckpts["root"], 2)
+
+    # one process: latent 2 x 4 x 4 → 2 x 2 x 2 = 8 Wan tokens, a CFG batch of 2 (B = 1);
+    # FLUX: 2 x 2 = 4 image + 16 text tokens, no CFG batch
+    for k, (card, params, image) in enumerate(cases):
+        ref = one_process(ckpts[card], params, ckpts["image"] if image else None)
+        sp, cfg = results[2 * k], results[2 * k + 1]
+        assert np.abs(sp["frames"] - ref).max() <= TOL, card
+        assert np.abs(cfg["frames"] - ref).max() <= TOL, card
+        assert {tuple(s[1:]) for s in sp["seen"]} == {(2, 4)}, card   # 8 tokens split in two
+        assert {tuple(s[1:]) for s in cfg["seen"]} == {(1, 8)}, card  # one CFG branch per rank
+        experts = {int(s[0]) for s in sp["seen"]} | {int(s[0]) for s in cfg["seen"]}
+        assert experts == ({0, 1} if card.startswith("wan2.2") else {0}), card  # both ran split
+        assert int(sp["self_calls"]) > 0 and int(sp["cross_calls"]) > 0
+    flux = results[-2]
+    assert np.abs(flux["frames"] - one_process(ckpts["flux.1-t2i"], FLUX)).max() <= TOL
+    assert {tuple(s[1:]) for s in flux["seen"]} == {(1, 2)}  # 4 image tokens split in two
+    assert "sequence_parallel_attention=cpu:" in str(flux["provenance"])
+    assert "parallel: sp=2" in str(flux["provenance"])
+    assert "9 tokens after patching, not a multiple of 2" in str(results[-1]["error"])
+
+
+@pytest.mark.slow
+def test_four_ranks_sequence_times_cfg_parallel(ckpts):
+    """--sp 2 --cfg-parallel on 4 ranks: each rank half the tokens of one CFG branch."""
+    out = torchrun([job(ckpts, "wan2.1-t2v", 2, True, WAN, "sp2-cfg")], ckpts["root"], 4)[0]
+    assert np.abs(out["frames"] - one_process(ckpts["wan2.1-t2v"], WAN)).max() <= TOL
+    assert {tuple(s[1:]) for s in out["seen"]} == {(1, 4)}
+
+
+def test_split_points_are_diffusers_context_parallel_plans():
+    """The cards split where diffusers' own context-parallel plans (``_cp_plan``) do."""
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+
+    from flowseam.models.flux import FluxT2I
+    from flowseam.models.wan import WanT2V
+
+    wan, flux = WanTransformer3DModel._cp_plan, FluxTransformer2DModel._cp_plan
+    split = WanT2V.SEQUENCE_SPLIT
+    assert split.outputs == {"rope": {i: p.split_dim for i, p in wan["rope"].items()}}
+    assert split.inputs == {"blocks.0": {"hidden_states": wan["blocks.0"]["hidden_states"].split_dim}}
+    assert split.gather == {"proj_out": wan["proj_out"].gather_dim}
+    split = FluxT2I.SEQUENCE_SPLIT
+    assert split.inputs == {"": {k: p.split_dim for k, p in flux[""].items()}}
+    assert split.gather == {"proj_out": flux["proj_out"].gather_dim}
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if any component is built: a refusal must come before the weights load."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a component was built before the layout was refused")
+
+    monkeypatch.setattr(flowseam.Platform, "build_component", refuse)
+
+
+@pytest.mark.parametrize("card, parallel, message", [
+    ("wan2.1-causal-t2v", Parallel(sp=2), "cannot split its sequence (the causal loop"),
+    ("wan2.1-t2v", Parallel(sp=4), "has 2 attention heads, not a multiple of 4"),
+    ("flux.1-t2i", Parallel(cfg=True), "no unconditional branch"),
+    ("ltx2-t2v", Parallel(sp=2), "cannot split its sequence"),
+])
+def test_layouts_a_card_cannot_run_are_refused_before_weights_load(tmp_path, no_weights, card,
+                                                                     parallel, message):
+    path = write_tiny_checkpoint(card, tmp_path / card)
+    with pytest.raises(InvalidInputError, match=message.replace("(", r"\(")):
+        flowseam.load(path, flowseam.Platform("cpu"), quiet=True, parallel=parallel)
+
+
+def test_parallel_arguments_are_checked():
+    with pytest.raises(InvalidInputError, match="sp=0 must be an int >= 1"):
+        Parallel(sp=0)
+    with pytest.raises(InvalidInputError, match="cfg='yes'"):
+        Parallel(cfg="yes")
+    assert Parallel(sp=2, cfg=True).world_size == 4
+
+
+def test_a_process_that_is_not_a_rank_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = write_tiny_checkpoint("wan2.1-t2v", tmp_path / "wan")
+    with pytest.raises(flowseam.FlowseamError, match="needs 2 ranks; this process is not one"):
+        flowseam.load(path, flowseam.Platform("cpu"), quiet=True, parallel=Parallel(sp=2))
