@@ -16,6 +16,7 @@ import subprocess
 import sys
 from importlib import metadata
 from itertools import pairwise
+from pathlib import Path
 
 import flowseam
 import numpy as np
@@ -487,3 +488,35 @@ def test_provenance_dit_and_vae_by_accel_text_encoder_falls_back(accel, tiny_wan
         assert re.search(rf"\b{name}=accel/accel float32[,;]", line), line
     assert "text_encoder=cpu/cpu float32 (fallback)" in line
     assert "no plugin serving 'accel' builds 'text_encoder'" in accel.explain()
+
+
+@pytest.mark.slow
+def test_a_split_generation_runs_accels_ring_attention_and_equals_one_cpu_process(
+        cpu, tiny_wan, tmp_path):
+    """accel registers its own sequence_parallel_attention, ring attention (cpu's is Ulysses):
+    a generation on accel with ``Parallel(sp=2)`` on 2 gloo ranks resolves accel's kernel (the
+    provenance names it) and gives the frames of the same request in one cpu process."""
+    import os
+
+    from flowseam import DiffusionParams
+
+    helper = Path(__file__).parent / "helpers" / "accel_split_job.py"
+    sys.path.insert(0, str(helper.parent))
+    from accel_split_job import PARAMS
+
+    out = tmp_path / "split.npz"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", str(helper), str(tiny_wan), str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = np.load(out)
+    impl = str(got["impl_id"])
+    assert impl.startswith("accel:sequence_parallel_attention:accel:"), impl
+    assert f"sequence_parallel_attention={impl}" in str(got["provenance"])
+    assert "parallel: sp=2" in str(got["provenance"])
+    want = flowseam.load(tiny_wan, platform=cpu, quiet=True).generate(
+        ["a red ball"], seeds=[7], params=DiffusionParams(**PARAMS)).frames
+    assert got["frames"].shape == want.shape
+    np.testing.assert_allclose(got["frames"], want, rtol=RTOL, atol=ATOL)

@@ -29,6 +29,10 @@ compiled function a recompute from ``prev_sample`` runs, so the two agree bit fo
 price of one more read of x and v per rollout step). That function runs inside a
 ``torch.autograd.Function`` with the analytic backward, so a recompute that records gradients
 runs the same inference graph; gradients reach the log-prob through ``mean`` only (Flow-GRPO).
+
+Distributed attention: :func:`ring_attention` is accel's ``sequence_parallel_attention`` (ring
+attention; its docstring has the formula). It runs eagerly: its work is matmuls between the
+messages, which a compiled graph would not fuse further.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from __future__ import annotations
 import math
 
 import torch
-from flowseam.ops import (SDEStepOutput, as_sigma, check_renoise, check_sigmas, check_step_tensors,
-                          sde_std_dev_t)
+from flowseam.ops import (SDEStepOutput, as_sigma, check_renoise, check_sequence_parallel_attention,
+                          check_sigmas, check_step_tensors, sde_std_dev_t)
 from flowseam.ops.eager import HALF_LOG_2PI, compute_dtype, deterministic_sde_step
 
 from .compiled import compile_function
@@ -211,3 +215,93 @@ def flow_renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.T
     check_renoise(x0, noise, sigma)
     coef = torch.tensor([1.0 - sigma, sigma], dtype=compute_dtype(x0), device=x0.device)
     return _Combine.apply(x0, noise, coef)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                   attention=None, scale: float | None = None) -> torch.Tensor:
+    """Sequence-parallel self-attention by ring attention (Liu, Zaharia and Abbeel 2023, "Ring
+    Attention with Blockwise Transformers for Near-Infinite Context", arXiv:2310.01889): the
+    ``sequence_parallel_attention`` contract of :mod:`flowseam.ops`, without its all-to-all.
+
+    Rank ``r`` of the ``N`` ranks of ``group`` keeps its rows ``q_r`` and attends to one block of
+    keys and values at a time: at step ``t`` (``0 <= t < N``) it holds ``(k_j, v_j)`` of rank
+    ``j = (r - t) mod N`` and, while it computes, sends that block to rank ``r + 1`` and receives
+    the next from rank ``r - 1`` (``torch.distributed.batch_isend_irecv``; the k/v blocks travel
+    around the ring, the queries and the running result never move). Blockwise online softmax
+    with log-sum-exp merging (Milakov and Gimelshein 2018; the blockwise form of Rabe and
+    Staats 2021 and FlashAttention), in the compute dtype::
+
+        S_j   = scale * q_r k_j^T                       (B, H, S/N, S/N)
+        lse_j = log sum_cols exp(S_j)                   (B, H, S/N, 1)
+        o_j   = exp(S_j - lse_j) v_j                    (the block's softmax attention)
+        lse   = logaddexp(lse, lse_j)
+        o     = exp(lse_old - lse) o + exp(lse_j - lse) o_j
+
+    After ``N`` blocks ``o = softmax(scale * q_r K^T) V`` over the whole sequence: the rows of the
+    unsplit call, exactly up to rounding. Memory per rank is one ``(S/N) x (S/N)`` score block,
+    never ``S/N x S``; each rank sends ``(N-1) * B*H*(S/N)*(D+Dv) * itemsize`` bytes per call
+    (Ulysses: ``4 (N-1)/N`` of one q/k/v/output block), in ``N-1`` messages to one neighbour.
+    Nothing is asked of the heads: any number of heads splits over any ``N``.
+
+    :param q: this rank's rows ``(B, H, S/N, D)``; ``k``: the same shape; ``v``:
+        ``(B, H, S/N, Dv)``; any float dtype, every rank the same shapes (a collective).
+    :param group: the torch.distributed process group of the ``N`` ranks sharing the sequence.
+    :param attention: the platform's ``attention`` kernel; not used (the blocks are computed
+        here, with their log-sum-exp, which the ``attention`` op does not return).
+    :param scale: the softmax scale, default ``1 / sqrt(D)``.
+    :returns: ``(B, H, S/N, Dv)`` in ``q``'s dtype; the arithmetic is float32 (float64 for
+        float64 ``q``).
+    :raises ValueError: (``InvalidInputError``) for q/k/v that are not 4-d with matching batch,
+        heads and head dims, k with other rows than q, or a tensor that requires grad (forward
+        only, as the contract says).
+    """
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    check_sequence_parallel_attention(q, k, v, n, heads_split=False)
+    ct = compute_dtype(q)
+    d = q.shape[-1]
+    qs = q.to(ct) * (1.0 / math.sqrt(d) if scale is None else float(scale))
+    kv = torch.cat([k, v.to(k.dtype)], dim=-1).contiguous()  # one message per step
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    me = ranks.index(dist.get_rank())
+    after, before = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    # gloo moves CPU tensors only: a CUDA tensor on a gloo group travels through host memory
+    staged = kv.device.type != "cpu" and _backend_for(group, kv.device) == "gloo"
+    out = lse = None
+    for step in range(n):
+        pending = None
+        if step < n - 1:
+            send = kv.cpu() if staged else kv
+            recv = torch.empty_like(send)
+            pending = (recv, dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, send, after, group),
+                dist.P2POp(dist.irecv, recv, before, group)]))
+        kb, vb = kv[..., :d].to(ct), kv[..., d:].to(ct)
+        scores = qs @ kb.transpose(-1, -2)
+        block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        block_out = torch.exp(scores - block_lse) @ vb
+        if out is None:
+            out, lse = block_out, block_lse
+        else:
+            merged = torch.logaddexp(lse, block_lse)
+            out = out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged)
+            lse = merged
+        if pending is not None:
+            recv, works = pending
+            for work in works:
+                work.wait()
+            kv = recv.to(kv.device) if staged else recv
+    return out.to(q.dtype)
+
+
+def _backend_for(group, device: torch.device) -> str:
+    """The torch.distributed backend that moves ``device`` tensors on ``group`` ("gloo",
+    "nccl", ...)."""
+    import torch.distributed as dist
+
+    name = str(dist.get_backend(group))
+    if ":" not in name:  # one backend for every device
+        return name
+    by_device = dict(part.split(":", 1) for part in name.split(","))
+    return by_device.get(device.type, name)

@@ -54,10 +54,14 @@ def flowseam_register_kernels() -> list[KernelRegistration]:
     # finds them; flow_sde_step is registered at the most specific rung of this host, a direct
     # hit (inductor generates the host's SIMD code, so either is honest). No attention,
     # cached_attention or unipc_step: cpu's eager kernels serve them, shown in explain().
+    # sequence_parallel_attention is accel's own, ring attention (cpu's is Ulysses' all-to-all):
+    # a split generation on accel names accel's kernel in its provenance.
     return [
         KernelRegistration(ops.FLOW_MATCH_STEP, kernels.flow_match_step, arch="generic"),
         KernelRegistration(ops.FLOW_SDE_STEP, kernels.flow_sde_step, arch=arch_chain()[0]),
         KernelRegistration(ops.FLOW_RENOISE, kernels.flow_renoise, arch="generic"),
+        KernelRegistration(ops.SEQUENCE_PARALLEL_ATTENTION, kernels.ring_attention,
+                           arch="generic"),
     ]
 
 

@@ -222,6 +222,7 @@ class KernelCase:
     cached: CachedAttentionCase | None = None
     renoise: RenoiseCase | None = None
     unipc: UniPCCase | None = None
+    split: Any = None  # a flowseam.testing.conformance._split.SplitCase
 
     @property
     def compute_dtype(self) -> str:
@@ -270,6 +271,13 @@ def kernel_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
                 for case in UNIPC_CASES:
                     yield (f"{name}-{dtype_id}-{case.id}",
                            KernelCase(reg.op, reg.arch, xd, vd, unipc=case))
+        elif reg.op == ops.SEQUENCE_PARALLEL_ATTENTION:  # on 2 ranks: _split.py
+            from ._split import SPLIT_CASES
+
+            for dtype in ATTENTION_DTYPES:
+                for case in SPLIT_CASES:
+                    yield (f"{name}-{dtype}-{case.id}",
+                           KernelCase(reg.op, reg.arch, dtype, dtype, split=case))
         else:  # an op added to flowseam.ops without a conformance check: the test says so
             yield name, KernelCase(reg.op, reg.arch)
 

@@ -22,6 +22,13 @@ from flowseam.testing.conformance._support import (
     sde_gradient_cases,
     to_f64,
 )
+from flowseam.testing.conformance._split import (
+    BAD_ARGUMENTS,
+    WORLD,
+    case_key,
+    full_inputs,
+    split_results,
+)
 
 #: C2: the PPO ratio exp(recomputed - rollout log-prob) must be 1 within this.
 RATIO_TOL = 1e-6
@@ -183,6 +190,32 @@ def _check_flow_renoise(kernel, case: KernelCase, device: str) -> None:
     assert_close(out, want, x0.dtype, "flow_renoise")
 
 
+def _check_sequence_parallel_attention(platform, kernel, case: KernelCase, device: str) -> None:
+    """The op on 2 gloo ranks (:mod:`flowseam.testing.conformance._split`), each passing its half
+    of the rows: the joined result equals the oracle's unsplit attention. A kernel may refuse
+    heads that the ranks do not divide (an all-to-all one), with ValueError naming the heads."""
+    c = case.split
+    got = split_results(platform, kernel.impl_id, device)["cases"][case_key(case.x_dtype, c)]
+    heads = c.shape[1]
+    if "error" in got:
+        kind, message, is_value_error = got["error"]
+        refusal = (not c.heads_divide and is_value_error and got["all_ranks"]
+                   and "head" in message.lower() and str(heads) in message)
+        assert refusal, (f"sequence_parallel_attention on {WORLD} ranks raised {kind}"
+                         f"{'' if got['all_ranks'] else ' (on some ranks only)'}: {message}"
+                         + ("" if c.heads_divide else f" (a refusal of {heads} heads must be a "
+                            f"ValueError naming them)"))
+        return
+    q, k, v = full_inputs(c, case.x_dtype, "cpu")
+    out = got["out"]
+    want_shape = tuple(q.shape)
+    assert tuple(out.shape) == want_shape and out.dtype == q.dtype, \
+        f"sequence_parallel_attention's halves joined are {out.dtype}{tuple(out.shape)}, " \
+        f"expected {q.dtype}{want_shape}"
+    want = reference.attention(to_f64(q), to_f64(k), to_f64(v), scale=c.scale)
+    assert_close(out, want, q.dtype, f"sequence_parallel_attention on {WORLD} ranks, joined")
+
+
 _CHECKS = {
     ops.FLOW_MATCH_STEP: _check_flow_match_step,
     ops.FLOW_SDE_STEP: _check_flow_sde_step,
@@ -197,6 +230,10 @@ _CHECKS = {
 def test_kernel_matches_oracle(flowseam_platform, flowseam_case, expectations):
     """C1 against the numpy float64 oracle, tolerance of the output dtype."""
     kernel = pinned_kernel(flowseam_platform, flowseam_case)
+    if flowseam_case.op == ops.SEQUENCE_PARALLEL_ATTENTION:  # a collective: on 2 ranks
+        _check_sequence_parallel_attention(flowseam_platform, kernel, flowseam_case,
+                                           expectations.torch_device)
+        return
     check = _CHECKS.get(flowseam_case.op)
     assert check is not None, f"the conformance suite has no check for op {flowseam_case.op!r} yet"
     check(kernel, flowseam_case, expectations.torch_device)
@@ -210,6 +247,17 @@ def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectat
     at sigma_next == 0, and a state that is not a UniPCState)."""
     kernel = pinned_kernel(flowseam_platform, flowseam_case)
     device = expectations.torch_device
+    if flowseam_case.op == ops.SEQUENCE_PARALLEL_ATTENTION:  # called on 2 ranks, every one refuses
+        bad = split_results(flowseam_platform, kernel.impl_id, device)["bad"]
+        for name, what in BAD_ARGUMENTS.items():
+            for rank, error in enumerate(bad[name]):
+                assert error is not None, \
+                    f"sequence_parallel_attention accepted bad arguments on rank {rank} ({what})"
+                assert error[2], f"sequence_parallel_attention raised {error[0]}, not " \
+                                 f"ValueError, on rank {rank} for {what}: {error[1]}"
+                if name == "requires_grad":
+                    assert "grad" in error[1], f"the refusal does not say why: {error[1]}"
+        return
     if flowseam_case.op == ops.ATTENTION:
         q = randn((2, 4, 8), 1, "float32", device)
         with pytest.raises(ValueError):
