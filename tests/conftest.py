@@ -113,6 +113,22 @@ def run_cli(*args: str, path: Path | None = None, **env: str) -> subprocess.Comp
                           text=True, env=full, timeout=300)
 
 
+#: the helper scripts tests run as ranks under torchrun
+HELPERS = Path(__file__).parent / "helpers"
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> None:
+    """Run ``tests/helpers/SCRIPT ARGS`` as ``nproc`` ranks of one ``torchrun --standalone``
+    job (gloo, one torch thread a rank, no FLOWSEAM_* variable); fail the test, with the ranks'
+    stderr, if the job fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={nproc}", str(HELPERS / script), *map(str, args)],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 @pytest.fixture(autouse=True)
 def _clean_flowseam_env(monkeypatch):
     """Tests start from the environment's real plugins with no FLOWSEAM_* variables set,

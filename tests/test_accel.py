@@ -16,7 +16,6 @@ import subprocess
 import sys
 from importlib import metadata
 from itertools import pairwise
-from pathlib import Path
 
 import flowseam
 import numpy as np
@@ -88,7 +87,7 @@ def test_found_through_its_entry_point_as_device_accel():
         assert rec.component_kinds == ("dit", "vae")
         assert {(k.op, k.arch) for k in rec.kernels} == {
             (ops.FLOW_MATCH_STEP, "generic"), (ops.FLOW_SDE_STEP, device.arch_chain()[0]),
-            (ops.FLOW_RENOISE, "generic")}
+            (ops.FLOW_RENOISE, "generic"), (ops.SEQUENCE_PARALLEL_ATTENTION, "generic")}
     finally:
         flowseam.plugins._CACHE = None
 
@@ -496,21 +495,15 @@ def test_a_split_generation_runs_accels_ring_attention_and_equals_one_cpu_proces
     """accel registers its own sequence_parallel_attention, ring attention (cpu's is Ulysses):
     a generation on accel with ``Parallel(sp=2)`` on 2 gloo ranks resolves accel's kernel (the
     provenance names it) and gives the frames of the same request in one cpu process."""
-    import os
+    from conftest import HELPERS, torchrun
 
     from flowseam import DiffusionParams
 
-    helper = Path(__file__).parent / "helpers" / "accel_split_job.py"
-    sys.path.insert(0, str(helper.parent))
+    sys.path.insert(0, str(HELPERS))
     from accel_split_job import PARAMS
 
     out = tmp_path / "split.npz"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
-    env["OMP_NUM_THREADS"] = "1"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node=2", str(helper), str(tiny_wan), str(out)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    torchrun("accel_split_job.py", tiny_wan, out)
     got = np.load(out)
     impl = str(got["impl_id"])
     assert impl.startswith("accel:sequence_parallel_attention:accel:"), impl

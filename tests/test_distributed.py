@@ -135,12 +135,9 @@ def test_two_ranks_equal_one_rank_workflow_rl_finetune_and_fsdp(flux, tmp_path):
     (a sharded policy and reference; one step, a checkpoint of the sharded AdamW state, then a
     second run resuming from it); each equals the same run, uninterrupted, on one process."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     import numpy as np
+    from conftest import torchrun
 
     from flowseam.training import get_method
 
@@ -168,12 +165,7 @@ def test_two_ranks_equal_one_rank_workflow_rl_finetune_and_fsdp(flux, tmp_path):
              "weights": str(tmp_path / f"two-{m}.safetensors")} for m, c in jobs.items()]
     spec.insert(2, dict(spec[2], config=dict(spec[2]["config"], steps=1), weights=None))  # then resume
     (tmp_path / "jobs.json").write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
-    helper = Path(__file__).parent / "helpers" / "distributed_job.py"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        str(helper), str(tmp_path / "jobs.json")], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun("distributed_job.py", tmp_path / "jobs.json")
 
     for name, cfg in jobs.items():
         flowseam.plugins._CACHE = None

@@ -9,19 +9,17 @@ calls each kind of attention routed — so a run that silently did not split wou
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from conftest import torchrun
 
 import flowseam
 from flowseam import DiffusionParams, InvalidInputError, Parallel
 from flowseam.testing.tiny import write_tiny_checkpoint
 
-HELPER = Path(__file__).parent / "helpers" / "parallel_job.py"
 WAN = dict(num_steps=2, height=32, width=32, num_frames=5, guidance_scale=4.0)
 FLUX = dict(num_steps=2, height=32, width=32, max_sequence_length=16)
 TOL = 1e-5
@@ -43,15 +41,10 @@ def one_process(path, params, image=None) -> np.ndarray:
                           params=DiffusionParams(**params)).frames
 
 
-def torchrun(jobs: list[dict], root: Path, nproc: int) -> list[dict]:
+def run_jobs(jobs: list[dict], root: Path, nproc: int) -> list[dict]:
     spec = root / f"jobs-{nproc}.json"
     spec.write_text(json.dumps(jobs))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWSEAM_")}
-    env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={nproc}", str(HELPER), str(spec)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun("parallel_job.py", spec, nproc=nproc)
     return [dict(np.load(j["out"])) for j in jobs]
 
 
@@ -74,7 +67,7 @@ def test_two_ranks_equal_one_process_for_every_splittable_card(ckpts):
     jobs.append(job(ckpts, "flux.1-t2i", 2, False, FLUX, "flux-sp2"))
     odd = dict(WAN, height=48, width=48, num_frames=1)  # 1 x 3 x 3 = 9 tokens after patching
     jobs.append(job(ckpts, "wan2.1-t2v", 2, False, odd, "odd"))
-    results = torchrun(jobs, ckpts["root"], 2)
+    results = run_jobs(jobs, ckpts["root"], 2)
 
     # one process: latent 2 x 4 x 4 → 2 x 2 x 2 = 8 Wan tokens, a CFG batch of 2 (B = 1);
     # FLUX: 2 x 2 = 4 image + 16 text tokens, no CFG batch
@@ -99,7 +92,7 @@ def test_two_ranks_equal_one_process_for_every_splittable_card(ckpts):
 @pytest.mark.slow
 def test_four_ranks_sequence_times_cfg_parallel(ckpts):
     """--sp 2 --cfg-parallel on 4 ranks: each rank half the tokens of one CFG branch."""
-    out = torchrun([job(ckpts, "wan2.1-t2v", 2, True, WAN, "sp2-cfg")], ckpts["root"], 4)[0]
+    out = run_jobs([job(ckpts, "wan2.1-t2v", 2, True, WAN, "sp2-cfg")], ckpts["root"], 4)[0]
     assert np.abs(out["frames"] - one_process(ckpts["wan2.1-t2v"], WAN)).max() <= TOL
     assert {tuple(s[1:]) for s in out["seen"]} == {(1, 4)}
 
@@ -156,3 +149,52 @@ def test_a_process_that_is_not_a_rank_is_refused(tmp_path, monkeypatch):
     path = write_tiny_checkpoint("wan2.1-t2v", tmp_path / "wan")
     with pytest.raises(flowseam.FlowseamError, match="needs 2 ranks; this process is not one"):
         flowseam.load(path, flowseam.Platform("cpu"), quiet=True, parallel=Parallel(sp=2))
+
+
+@pytest.mark.slow
+def test_flowgrpo_split_rollouts_record_the_one_process_log_probs(ckpts, tmp_path):
+    """flowgrpo with ``[parallel] sp = 2`` on 2 ranks: every sample's recorded log-probs equal a
+    one-process rollout's (same seeds), every rank keeps its data-parallel share, and the first
+    inner epoch's PPO ratio is 1 on every rank (C2, |ratio - 1| <= 1e-6)."""
+    from safetensors.torch import load_file
+
+    from flowseam.training.flowgrpo import FlowGRPO
+
+    cfg = dict(model=str(ckpts["wan2.1-t2v"]), backend="cpu", prompts=["a red ball"],
+               reward="brightness", group_size=4, prompts_per_step=1, steps=1, seed=3,
+               sampling=dict(num_steps=3, height=32, width=32, num_frames=5, guidance_scale=4.0),
+               grpo=dict(beta=0.04, clip_range=0.2))
+    spec = tmp_path / "config.json"
+    spec.write_text(json.dumps(dict(cfg, parallel={"sp": 2})))
+    torchrun("grpo_parallel_job.py", spec, tmp_path)
+    ranks = [load_file(str(tmp_path / f"logprobs{i}.safetensors")) for i in range(2)]
+    one = FlowGRPO(cfg)
+    trajectories, _, _, _ = one.rollout(0)
+    want = {}
+    for traj in trajectories:
+        lp = torch.stack([rec.log_prob for rec in traj.result.records], dim=1)
+        want |= {f"seed{s}": row for s, row in zip(traj.result.seeds, lp)}
+    got = ranks[0] | ranks[1]
+    assert set(got) == set(want) and not set(ranks[0]) & set(ranks[1])
+    for key, row in want.items():
+        np.testing.assert_allclose(got[key].numpy(), row.numpy(), rtol=1e-5, atol=1e-5,
+                                   err_msg=key)
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert len(record["ratio_dev_first_epoch_by_rank"]) == 2
+    assert max(record["ratio_dev_first_epoch_by_rank"]) <= 1e-6
+    assert record["updated"]
+
+
+def test_flowgrpo_parallel_must_take_every_rank(ckpts):
+    from flowseam.training.flowgrpo import FlowGRPO
+
+    cfg = dict(model=str(ckpts["wan2.1-t2v"]), prompts=["a"], group_size=4, steps=1,
+               parallel={"sp": 2})
+    with pytest.raises(flowseam.FlowseamError,
+                       match=r"\[parallel\] sp=2 splits each rollout over 2 ranks, and takes every "
+                             r"rank of the run; the run has 1 \(flowseam train --nproc 2\)"):
+        FlowGRPO(cfg)
+    with pytest.raises(flowseam.FlowseamError, match="the run has 4"):
+        FlowGRPO.check_world_size(cfg, 4)
+    with pytest.raises(flowseam.FlowseamError, match=r"config \[parallel\] sp=0: Input should be greater than or equal to 1"):
+        FlowGRPO(dict(cfg, parallel={"sp": 0}))

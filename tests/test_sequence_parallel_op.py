@@ -12,18 +12,16 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, pip_install_target
+from conftest import FIXTURES, HELPERS, pip_install_target, torchrun
 
 from flowseam.ops import reference
 
 pytest.importorskip("flowseam_accel")
 
-HELPERS = Path(__file__).parent / "helpers"
 sys.path.insert(0, str(HELPERS))
 import ring_job  # noqa: E402  (its CASES: the shapes the ranks ran)
 
@@ -35,10 +33,7 @@ def _env() -> dict:
 
 
 def test_ring_attention_on_three_ranks_equals_the_unsplit_oracle(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node=3", str(HELPERS / "ring_job.py"), str(tmp_path)],
-                       capture_output=True, text=True, env=_env(), timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
+    torchrun("ring_job.py", tmp_path, nproc=3, timeout=300)
     got = [torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in range(3)]
     assert "subgroup_heads3" not in got[0]  # rank 0 is not in that group
     for name, (ranks, shape, dv, dtype, scale) in ring_job.CASES.items():

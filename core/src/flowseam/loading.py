@@ -194,6 +194,39 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
     return instance
 
 
+def check_parallel_checkpoint(path_or_hub_id: str | os.PathLike, parallel: "Parallel",
+                              params: DiffusionParams) -> None:
+    """Refuse, before any weights load, a :class:`~flowseam.Parallel` layout the checkpoint's
+    card cannot run, or a request (``params``; unset fields take the checkpoint's and the card's
+    defaults) it cannot split: a loop that cannot be split, heads or tokens after patching that
+    ``sp`` does not divide, CFG parallelism without CFG (what ``flowseam generate --nproc``
+    checks before it starts the ranks). Reads ``model_index.json`` and the DiT's and the VAE's
+    ``config.json`` (with the diffusers class's defaults for keys a config leaves out).
+
+    :raises InvalidInputError: naming the numbers.
+    :raises FlowseamError: for a checkpoint that cannot be read.
+    """
+    import inspect
+
+    import diffusers
+
+    root = resolve_checkpoint(path_or_hub_id)
+    index = read_json(root / "model_index.json")
+    card = card_for_index(index, str(root / "model_index.json"))
+    configs = check_layout(card, index, root)
+    card.instance.check_parallel_layout(
+        parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name)
+    params = params.with_defaults({**card.defaults, **read_checkpoint_defaults(root)})
+    full = {}
+    for name in (card.instance.DIT, "vae"):
+        cls = getattr(diffusers, str(index[name][1]), None)
+        defaults = {} if cls is None else {
+            k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+        full[name] = {**defaults, **read_json(root / name / "config.json")}
+    card.instance.check_parallel_request(parallel, params, full, card.name)
+
+
 def check_layout(card: ModelCard, index: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:
     """Refuse, before any weights load, a layout the card cannot serve as diffusers does
     (:func:`component_plan` has refused a missing component): Wan2.2's ``transformer_2`` without ``boundary_ratio`` (diffusers

@@ -81,6 +81,92 @@ class Parallel:
         return f"sp={self.sp}" + (" cfg-parallel" if self.cfg else "")
 
 
+def parallel_from_options(nproc: int | None, sp: int | None, cfg: bool) -> Parallel | None:
+    """The layout of ``--nproc N [--sp S] [--cfg-parallel]`` (``flowseam generate`` and
+    ``serve``), None for one process. ``N`` ranks are ``S`` sequence shards times one or two
+    CFG branches: with ``--nproc`` alone every rank is a shard (``S = N``, or ``N / 2`` with
+    ``--cfg-parallel``); with ``--sp`` or ``--cfg-parallel`` alone, ``N = S x branches``.
+
+    :raises InvalidInputError: for a value below 1, or ``N != S x branches``, naming the numbers.
+    """
+    for flag, value in (("--nproc", nproc), ("--sp", sp)):
+        if value is not None and value < 1:
+            raise InvalidInputError(f"{flag}={value} must be >= 1")
+    branches = 2 if cfg else 1
+    if nproc is None:
+        layout = Parallel(sp=sp or 1, cfg=cfg)
+    elif sp is None:
+        if nproc % branches:
+            raise InvalidInputError(f"--nproc {nproc} with --cfg-parallel: the two CFG branches "
+                                    f"need an even number of ranks (2 x --sp)")
+        layout = Parallel(sp=nproc // branches, cfg=cfg)
+    else:
+        layout = Parallel(sp=sp, cfg=cfg)
+        if layout.world_size != nproc:
+            raise InvalidInputError(
+                f"--nproc {nproc} does not match --sp {sp}" + (" x 2 CFG branches" if cfg else "")
+                + f" = {layout.world_size} ranks; give --nproc {layout.world_size}, or leave it out")
+    return layout if layout.enabled else None
+
+
+def device_slots() -> tuple[int, str]:
+    """How many ranks this machine gives a device each: its CUDA GPUs when torch sees any (one
+    GPU a rank), else the CPU cores this process may run on (one torch thread a rank)."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count(), "CUDA GPUs"
+    try:
+        return len(os.sched_getaffinity(0)), "CPU cores"
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1, "CPU cores"
+
+
+def check_ranks(parallel: Parallel) -> None:
+    """Refuse a layout that needs more ranks than :func:`device_slots`.
+
+    :raises InvalidInputError: naming both numbers.
+    """
+    have, what = device_slots()
+    if parallel.world_size > have:
+        layout = f"--sp {parallel.sp}" + (" x 2 CFG branches" if parallel.cfg else "")
+        raise InvalidInputError(
+            f"--nproc {parallel.world_size} ({layout}): this machine has {have} {what}, one per "
+            f"rank; use {have} ranks or fewer")
+
+
+def launch(argv: list[str], nproc: int) -> int:
+    """Run ``python -m flowseam ARGV`` as ``nproc`` ranks on this machine with torchrun's own
+    launcher (``torch.distributed.run --standalone``: a free port, one process per rank,
+    ``OMP_NUM_THREADS=1`` unless set). When a rank fails, torchrun stops the others (SIGTERM,
+    then SIGKILL) before this returns: no rank is left behind.
+
+    :returns: 0, or the exit status of the first rank that failed (1 for a rank killed by a
+        signal), after one line naming it; ``128 + N`` when this process got signal ``N``
+        (SIGINT, SIGTERM: torchrun passes it on to every rank, then stops them).
+    """
+    import sys
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = torchrun.get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "-m", "flowseam"])
+    args.training_script_args = list(argv)  # not parsed by torchrun (--nproc is its prefix)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its notice
+    try:
+        torchrun.run(args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        signal = failure.signal_name() if failure.exitcode < 0 else None
+        how = f"was killed by {signal}" if signal else f"exited with status {failure.exitcode}"
+        print(f"flowseam: rank {rank} of {nproc} {how}; the other ranks were stopped (the "
+              "first failure's own message is above)", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as exc:  # Ctrl-C or SIGTERM: torchrun has passed it to every rank
+        return 128 + int(exc.sigval)
+    return 0
+
+
 def check_split(parallel: Parallel, *, heads: int, tokens: int, text_tokens: int | None = None,
                 model: str = "the DiT") -> None:
     """Refuse a split that does not divide: ``heads`` (per attention layer) and ``tokens`` (the
@@ -222,11 +308,12 @@ class SequenceSplit:
     gather: dict[str, int] = field(default_factory=dict)
     cross_attention: tuple[str, ...] = ()
 
-    def install(self, dit: torch.nn.Module, groups: ParallelGroups) -> Callable[[], None]:
-        """Register the hooks on ``dit``; returns a callable that removes them."""
+    def install(self, dit: torch.nn.Module, groups: ParallelGroups) -> set[Callable]:
+        """Register the hooks on ``dit``; returns the hook functions (a ``copy.deepcopy`` of
+        ``dit`` holds the same functions: :func:`remove_hooks` drops them from a copy)."""
         import inspect
 
-        handles = []
+        hooks: set[Callable] = set()
         for name, args in self.inputs.items():
             module = dit.get_submodule(name)
             params = list(inspect.signature(module.forward).parameters)
@@ -240,7 +327,8 @@ class SequenceSplit:
                         a[params.index(arg)] = groups.shard(a[params.index(arg)], dim)
                 return tuple(a), kw
 
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            hooks.add(pre)
         for name, outs in self.outputs.items():
             def post(mod, a, out, outs=outs):
                 out = list(out)
@@ -248,11 +336,27 @@ class SequenceSplit:
                     out[i] = groups.shard(out[i], dim)
                 return tuple(out)
 
-            handles.append(dit.get_submodule(name).register_forward_hook(post))
+            dit.get_submodule(name).register_forward_hook(post)
+            hooks.add(post)
         for name, dim in self.gather.items():
-            handles.append(dit.get_submodule(name).register_forward_hook(
-                lambda mod, a, out, dim=dim: groups.gather(out, dim)))
-        return lambda: [h.remove() for h in handles]
+            def gather(mod, a, out, dim=dim):
+                return groups.gather(out, dim)
+
+            dit.get_submodule(name).register_forward_hook(gather)
+            hooks.add(gather)
+        return hooks
+
+    @staticmethod
+    def remove_hooks(module: torch.nn.Module, hooks: set[Callable]) -> None:
+        """Drop ``hooks`` (what :meth:`install` returned) from ``module`` and its submodules:
+        a ``copy.deepcopy`` of a split DiT then runs its whole sequence on one rank."""
+        for sub in module.modules():
+            for table in (sub._forward_pre_hooks, sub._forward_hooks):
+                for key, fn in list(table.items()):
+                    if fn in hooks:
+                        del table[key]
+                        sub._forward_pre_hooks_with_kwargs.pop(key, None)
+                        sub._forward_hooks_with_kwargs.pop(key, None)
 
     def is_cross(self, processor_name: str) -> bool:
         """Whether the attention module of ``processor_name`` (``blocks.0.attn2.processor``)

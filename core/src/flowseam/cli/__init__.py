@@ -16,6 +16,7 @@ The command modules import nothing of this package but :mod:`.parsing`, and noth
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Sequence
 
 from ..console import enable_notices
@@ -50,5 +51,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugin fault, 1 a bug, with a traceback, 143 after SIGTERM; argparse's usage errors raise
     ``SystemExit(2)``)."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc reruns on each rank
     enable_notices()  # a backend compiling on its first call says so (flowseam.console.long_wait)
     return boundary.run(args.func, args)

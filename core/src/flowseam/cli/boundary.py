@@ -21,8 +21,12 @@ what the user sees, and the exit status.
 - exit 1, the traceback, then ``flowseam: internal error: ...`` saying that it is a bug and how to
   report it: anything else, such as a ``ValueError``, ``TypeError`` or ``RuntimeError`` raised
   inside torch or by a mistake in flowseam or a plugin.
+- exit 1, ``flowseam: rank R of N: another rank of this job went away (...)``: a rank of a
+  ``--nproc`` job whose collective failed because another rank died (the launcher then names
+  that rank and its exit status).
 - exit 0, nothing: ``BrokenPipeError`` (the reader went away: ``flowseam backends | head``).
-- exit 143: SIGTERM (``finally`` blocks run, no temporary file is left).
+- exit 143: SIGTERM (``finally`` blocks run, no temporary file is left); a rank of a
+  ``--nproc`` job says which rank it was, as torchrun stops every rank when one fails.
 
 A ``ValueError`` is not bad input by itself: torch, numpy and Python raise it for their callers'
 mistakes, which are flowseam's (core raises :class:`~flowseam.errors.InvalidInputError`, a
@@ -57,7 +61,30 @@ _sigterm_received = threading.Event()
 
 def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: temporary files are removed
     _sigterm_received.set()
+    rank = _rank()
+    if rank is not None:  # torchrun stops every rank when one fails: say why this one stopped
+        _say(f"{rank}: stopped (SIGTERM: the launcher stops every rank when one fails)")
     raise SystemExit(EXIT_TERMINATED)
+
+
+def _rank() -> str | None:
+    """``rank R of N`` when this process is a rank of a torchrun job (``--nproc``), else None."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    return f"rank {os.environ.get('RANK', '?')} of {world}" if world.isdigit() and int(world) > 1 \
+        else None
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a torch.distributed collective that failed because another rank went
+    away (gloo's "Connection reset/closed by peer", a ``DistError``), in a rank of a job."""
+    torch = sys.modules.get("torch")
+    if torch is None or _rank() is None or not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return (isinstance(exc, getattr(torch.distributed, "DistNetworkError", ())) or "by peer" in text
+            or ("gloo" in text and "transport" in text))
 
 
 def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -113,6 +140,9 @@ def report(exc: Exception) -> int:
     if pydantic is not None and isinstance(exc, pydantic.ValidationError):
         _say(f"error: {_validation_message(exc)}")
         return EXIT_USAGE
+    if is_lost_peer(exc):  # a rank died: not a bug here; the launcher names the one that failed
+        _say(f"{_rank()}: another rank of this job went away ({_first_line(exc)})")
+        return EXIT_BUG
     if is_out_of_memory(exc):
         _say(f"out of memory: {_first_line(exc)} (the request needs more memory than this machine "
              "has free: fewer or smaller frames, or another --backend)")

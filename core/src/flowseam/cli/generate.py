@@ -4,10 +4,16 @@ workflow), its errors in the command's words."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from ..console import quiet_libraries
 from ..errors import InvalidInputError
+from .parsing import add_parallel_options
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..parallel import Parallel
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,6 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-sequence-length", type=int, metavar="N",
                    help="text tokens the text encoder keeps (sample with what the model was "
                         "trained with); with --workflow, the text-to-image stage's")
+    add_parallel_options(g, "rank 0 writes the output")
     g.add_argument("--backend", action="append",
                    help="backend name (default: the highest-priority available); with --workflow, "
                         "give it twice to choose each stage's backend")
@@ -144,6 +151,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .. import media
     from ..defaults import read_checkpoint_defaults
     from ..loading import load, read_card, resolve_checkpoint
+    from ..parallel import launch
     from ..platform import Platform
     from ..request import DiffusionParams, check_memory
     from ..workflows import WORKFLOWS
@@ -201,6 +209,10 @@ def _generate(args: argparse.Namespace) -> int:
         check_memory(stage.with_defaults({**read_card(root).defaults,
                                           **read_checkpoint_defaults(root)}))
     media.check_writable(args.output)
+    parallel = _parallel(args, params)
+    rank = int(os.environ.get("RANK", "0")) if parallel is not None else 0
+    if parallel is not None and "WORLD_SIZE" not in os.environ:  # not yet a rank: start them
+        return launch(args.argv, parallel.world_size)
     platforms = [Platform(b) if b else Platform.detect() for b in backends]
     platform = platforms[0]
     started = time.perf_counter()
@@ -232,11 +244,15 @@ def _generate(args: argparse.Namespace) -> int:
               f"{model.provenance()}")
         return 0
     else:
-        model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
+        model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore,
+                     parallel=parallel, quiet=rank != 0)
         _check_sound(args.output, suffix, model)
         result = model.generate(args.prompt, image=image,
-                                params=_with_frame_rate(params, model, args.fps), progress=True)
+                                params=_with_frame_rate(params, model, args.fps),
+                                progress=rank == 0)
         frames, models, runs = result.frames, [model], [result]
+        if rank != 0:  # every rank holds the frames; rank 0 writes them and reports
+            return 0
     stage = result.stages[-1] if args.workflow is not None else result
     if frames.shape[1] > 1 and suffix in media.IMAGE_SUFFIXES:
         raise InvalidInputError(
@@ -264,6 +280,24 @@ def _generate(args: argparse.Namespace) -> int:
           + " | ".join(f"{m.provenance(solver=False)}; {r.solver or m.solver_line()}"
                        for m, r in zip(models, runs)))
     return 0
+
+
+def _parallel(args: argparse.Namespace, params) -> "Parallel | None":
+    """The layout ``--nproc``/``--sp``/``--cfg-parallel`` ask for (None: one process), checked
+    against this machine and the checkpoint before any model loads (:mod:`flowseam.parallel`)."""
+    from ..loading import check_parallel_checkpoint
+    from ..parallel import check_ranks, parallel_from_options
+
+    parallel = parallel_from_options(args.nproc, args.sp, args.cfg_parallel)
+    if parallel is None:
+        return None
+    if args.workflow is not None or args.stream:
+        raise InvalidInputError(
+            f"--nproc/--sp/--cfg-parallel split one model's generation; "
+            f"{'--workflow' if args.workflow else '--stream'} is not split (drop one)")
+    check_ranks(parallel)
+    check_parallel_checkpoint(args.model[0], parallel, params)
+    return parallel
 
 
 def _check_sound(output: str, suffix: str, model) -> None:

@@ -49,3 +49,22 @@ def version_text() -> str:
                     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
                     if ep.dist is not None and ep.dist.metadata["Name"] != "flowseam"})
     return f"flowseam {__version__}" + (f" (plugins: {', '.join(dists)})" if dists else "")
+
+
+def add_parallel_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--nproc``, ``--sp`` and ``--cfg-parallel`` (:func:`flowseam.parallel.
+    parallel_from_options`) of ``generate`` and ``serve``; ``what``: who writes the output
+    (``"rank 0 writes the output"``)."""
+    parser.add_argument(
+        "--nproc", type=int, metavar="N",
+        help="split each generation over N processes of this machine (torchrun; one torch "
+             f"thread a rank on the CPU, one GPU a rank with CUDA); {what}. Default: N = --sp x "
+             "(2 with --cfg-parallel)")
+    parser.add_argument(
+        "--sp", type=int, metavar="N",
+        help="sequence parallelism (Ulysses): N ranks share the DiT's tokens, each attending "
+             "with 1/N of them (default: --nproc, halved with --cfg-parallel); N must divide "
+             "the DiT's heads and tokens")
+    parser.add_argument(
+        "--cfg-parallel", action="store_true",
+        help="run the conditional and unconditional CFG passes on two groups of ranks")

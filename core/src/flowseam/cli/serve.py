@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .parsing import add_parallel_options
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``serve`` command and its options (their defaults: ``serve.server.ServeOptions``)."""
@@ -42,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int,
                    help="torch CPU threads (default: torch's, one per core); on a shared or "
                         "small CPU machine fewer threads than cores often run faster")
+    add_parallel_options(s, "rank 0 serves HTTP, the others follow it")
     s.add_argument("--lora", action="append", metavar="PATH",
                    help="a LoRA .safetensors file loaded at start into every model it fits; "
                         "requests name loaded files in their 'lora' field (repeatable)")
@@ -59,5 +62,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, api_key=args.api_key or os.environ.get("FLOWSEAM_API_KEY"),
         max_queue=args.max_queue, max_batch=args.max_batch, output_dir=args.output_dir,
         expire_after=args.expire_after, max_upload_mb=args.max_upload_mb,
-        log_level=args.log_level, threads=args.threads, loras=args.lora or []))
+        log_level=args.log_level, threads=args.threads, loras=args.lora or [],
+        nproc=args.nproc, sp=args.sp, cfg_parallel=args.cfg_parallel), argv=args.argv)
 

@@ -178,6 +178,7 @@ class ModelInstance:
         #: over several processes (:meth:`parallelize`), else None
         self.parallel = None
         self._parallel_modules: set[int] = set()
+        self._split_hooks: set[Any] = set()
 
     def provenance(self, solver: bool = True) -> str:
         """One line: where each component (device/plugin, dtype) and each kernel (its
@@ -472,11 +473,29 @@ class ModelInstance:
                 return split_attention(q, k, v, scale=scale)
 
             for expert in self.experts.values():
-                split.install(expert, groups)
+                self._split_hooks |= split.install(expert, groups)
                 route_attention(expert, local, choose=lambda name: local if split.is_cross(name)
                                 else self_attention)
         self._parallel_modules = {id(e) for e in self.experts.values()}
         self.parallel = groups
+
+    def unsplit_copy(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``copy.deepcopy(module)`` (one of this model's components), running on one rank: a
+        split DiT's copy loses the split hooks and attends with the platform's ``attention``
+        (a trainer's policy and reference copies: an update runs each sample's whole sequence
+        on one rank). For a model that is not split, the deepcopy itself."""
+        import copy
+
+        from .. import ops
+        from ..attention import route_attention
+
+        clone = copy.deepcopy(module)
+        if id(module) in self._parallel_modules:
+            from ..parallel import SequenceSplit
+
+            SequenceSplit.remove_hooks(clone, self._split_hooks)
+            route_attention(clone, self.platform.kernels.get(ops.ATTENTION))
+        return clone
 
     def is_split(self, dit: torch.nn.Module) -> bool:
         """Whether ``dit`` runs split over this model's ranks (one of its own experts after
@@ -484,19 +503,33 @@ class ModelInstance:
         return self.parallel is not None and id(dit) in self._parallel_modules
 
     def check_parallel(self, params: DiffusionParams) -> None:
-        """Refuse a request the model's split cannot run (tokens after patching that ``sp`` does
-        not divide, CFG parallelism without CFG); nothing when the model is not split.
+        """Refuse a request the model's split cannot run (:meth:`check_parallel_request`);
+        nothing when the model is not split.
 
         :raises InvalidInputError: naming the numbers.
         """
         if self.parallel is None:
             return
+        configs = {name: self.components[name].config for name in (self.DIT, "vae")}
+        self.check_parallel_request(self.parallel.parallel, params, configs, self.card.name)
+
+    @classmethod
+    def check_parallel_request(cls, parallel: "Parallel", params: DiffusionParams,
+                               configs: Mapping[str, Mapping[str, Any]], name: str) -> None:
+        """Refuse a request (``params`` with the defaults filled) that ``parallel`` cannot split:
+        tokens after patching (and text tokens that join the self-attention) that ``sp`` does
+        not divide, step caching (its decisions would differ per rank), CFG parallelism without
+        CFG. ``configs``: the DiT's and the VAE's configs (read from ``config.json`` before any
+        weights load, :func:`flowseam.loading.check_parallel_checkpoint`, or the loaded ones).
+
+        :raises InvalidInputError: naming the numbers.
+        """
         from ..parallel import check_split
 
-        parallel = self.parallel.parallel
-        tokens, text_tokens = self.sequence_tokens(params)
-        check_split(parallel, heads=int(self.dit.config.num_attention_heads), tokens=tokens,
-                    text_tokens=text_tokens, model=self.card.name)
+        if parallel.sp > 1:
+            tokens, text_tokens = cls.sequence_tokens(params, configs)
+            check_split(parallel, heads=int(configs[cls.DIT]["num_attention_heads"]),
+                        tokens=tokens, text_tokens=text_tokens, model=name)
         if params.cache is not None:
             raise InvalidInputError(
                 f"cache={params.cache}: step caching decides per rank from local tokens; it is "
@@ -506,9 +539,12 @@ class ModelInstance:
                 f"--cfg-parallel: guidance_scale={params.guidance_scale} runs no unconditional "
                 "branch (CFG needs guidance_scale > 1); drop --cfg-parallel")
 
-    def sequence_tokens(self, params: DiffusionParams) -> tuple[int, int | None]:
+    @classmethod
+    def sequence_tokens(cls, params: DiffusionParams,
+                        configs: Mapping[str, Mapping[str, Any]]) -> tuple[int, int | None]:
         """(the DiT's tokens after patching for ``params``, the text tokens that join its
-        self-attention or None) — for the cards with a :attr:`SEQUENCE_SPLIT`."""
+        self-attention or None) — for the cards with a :attr:`SEQUENCE_SPLIT`; ``configs`` as
+        for :meth:`check_parallel_request`."""
         raise NotImplementedError
 
     # -- step bodies (card-specific) -----------------------------------------------------------

@@ -11,7 +11,7 @@ has ``guidance_embeds``, timestep passed as ``t / 1000`` in the latent dtype, de
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -51,10 +51,13 @@ class FluxT2I(ModelInstance):
         gather={"proj_out": 1})
     NO_CFG_REASON = "FLUX.1 is guidance-distilled: guidance_scale is embedded in one pass"
 
-    def sequence_tokens(self, params: DiffusionParams) -> tuple[int, int]:
-        """``(H/16) * (W/16)`` image tokens and ``max_sequence_length`` text tokens, which join
-        the self-attention."""
-        f = self.vae_scale_factor * 2
+    @classmethod
+    def sequence_tokens(cls, params: DiffusionParams,
+                        configs: Mapping[str, Mapping[str, Any]]) -> tuple[int, int]:
+        """``(H/16) * (W/16)`` image tokens (the VAE's ``2 ** (len(block_out_channels) - 1)``
+        times the 2x2 packing) and ``max_sequence_length`` text tokens, which join the
+        self-attention."""
+        f = 2 ** (len(configs["vae"]["block_out_channels"]) - 1) * 2
         return (params.height // f) * (params.width // f), params.max_sequence_length
 
     @property

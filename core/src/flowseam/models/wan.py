@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import html
 import re
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -73,11 +73,17 @@ class WanT2V(ModelInstance):
                                    cross_attention=("attn2",))
     HAS_CFG_BRANCHES = True
 
-    def sequence_tokens(self, params: DiffusionParams) -> tuple[int, None]:
-        """``F' * (H' / p_h) * (W' / p_w)`` latent patches; the text is cross-attended."""
-        p_t, p_h, p_w = self.dit.config.patch_size
-        frames = (params.num_frames - 1) // self.vae_temporal_factor + 1
-        h, w = params.height // self.vae_spatial_factor, params.width // self.vae_spatial_factor
+    @classmethod
+    def sequence_tokens(cls, params: DiffusionParams,
+                        configs: Mapping[str, Mapping[str, Any]]) -> tuple[int, None]:
+        """``F' * (H' / p_h) * (W' / p_w)`` latent patches (``F' = (frames - 1) / 4 + 1``,
+        ``H' = height / 8``: the VAE's ``scale_factor_temporal`` and ``_spatial``; ``p``: the
+        transformer's ``patch_size``); the text is cross-attended."""
+        p_t, p_h, p_w = configs[cls.DIT]["patch_size"]
+        temporal, spatial = (int(configs["vae"][f"scale_factor_{k}"])
+                             for k in ("temporal", "spatial"))
+        frames = (params.num_frames - 1) // temporal + 1
+        h, w = params.height // spatial, params.width // spatial
         return (frames // p_t) * (h // p_h) * (w // p_w), None
 
     # -- 1. check -------------------------------------------------------------------------------

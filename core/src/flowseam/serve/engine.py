@@ -312,7 +312,7 @@ class ModelWorker(threading.Thread):
 
         result = None
         try:
-            result = run_loop(self.model, request, step_callback=on_step)
+            result = (engine.run or run_loop)(self.model, request, step_callback=on_step)
             frames, row = result.frames, 0
             for item in batch:
                 rows = frames[row:row + item.rows]
@@ -397,11 +397,16 @@ class Engine:
     :param max_queue: jobs that may wait per model; one more is a :class:`QueueFull` (429).
     :param max_batch: samples one loop run may hold (1 turns batching off).
     :param expire_after: seconds a finished job's outputs and row are kept.
+    :param run: what runs a loop (``run_loop``'s signature); default
+        :func:`flowseam.loops.run_loop`. ``flowseam serve --nproc`` passes
+        :meth:`flowseam.serve.ranks.RankRelay.run`, which runs it on every rank.
     """
 
     def __init__(self, models: dict[str, "ModelInstance"], output_dir: str | Path, *,
                  workflow: tuple[str, "Workflow", str, str] | None = None, max_queue: int = 64,
-                 max_batch: int = 8, expire_after: float = 86400.0) -> None:
+                 max_batch: int = 8, expire_after: float = 86400.0,
+                 run: Callable[..., Any] | None = None) -> None:
+        self.run = run
         self.output_dir = Path(output_dir)
         self.models = dict(models)
         self.workflow = workflow
@@ -749,10 +754,13 @@ class Engine:
 
 
 def _check(model: "ModelInstance", request: GenerationRequest, req: JobRequest) -> DiffusionParams:
-    """``model.check(request)`` as a :class:`BadRequest` naming the API field (``seconds`` when
+    """``model.check(request)`` (and, for a model split over ranks, ``model.check_parallel``:
+    tokens the split divides) as a :class:`BadRequest` naming the API field (``seconds`` when
     the frame count came from it)."""
     try:
-        return model.check(request)
+        params = model.check(request)
+        model.check_parallel(params)
+        return params
     except ValueError as exc:
         message, param = str(exc), _api_field(str(exc))
         if param == "frames" and req.seconds is not None:

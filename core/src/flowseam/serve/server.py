@@ -14,8 +14,12 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import FlowseamError, InvalidInputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..parallel import Parallel
 
 
 @dataclass
@@ -37,6 +41,11 @@ class ServeOptions:
     threads: int | None = None
     #: LoRA files loaded at start; requests may name only these (``lora`` field)
     loras: list[str] = field(default_factory=list)
+    #: ``--nproc``, ``--sp``, ``--cfg-parallel``: every generation split over ranks
+    #: (:func:`flowseam.parallel.parallel_from_options`; :mod:`.ranks`)
+    nproc: int | None = None
+    sp: int | None = None
+    cfg_parallel: bool = False
 
 
 def model_id(path: str) -> str:
@@ -178,19 +187,56 @@ def preload_loras(models: dict, paths: list[str]) -> None:
             raise FlowseamError(f"--lora {path} fits none of the served models: " + "; ".join(reasons))
 
 
-def run(opts: ServeOptions) -> int:
-    """Serve until interrupted (SIGINT/SIGTERM stop the workers at the next step boundary)."""
+def check_parallel_options(opts: ServeOptions) -> "Parallel | None":
+    """The layout ``--nproc``/``--sp``/``--cfg-parallel`` ask for (None: one process), checked
+    against this machine and every ``--model``'s checkpoint before any model loads; the
+    request-dependent checks (tokens that ``--sp`` divides) answer each request with a 400.
+
+    :raises InvalidInputError: naming the numbers.
+    """
+    from ..loading import check_parallel_checkpoint
+    from ..parallel import check_ranks, parallel_from_options
+    from ..request import DiffusionParams
+
+    parallel = parallel_from_options(opts.nproc, opts.sp, opts.cfg_parallel)
+    if parallel is None:
+        return None
+    check_ranks(parallel)
+    for path in opts.models:  # the card's defaults must split; a request may choose others
+        try:
+            check_parallel_checkpoint(path, parallel, DiffusionParams())
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"--model {path}: {exc}") from None
+    return parallel
+
+
+def run(opts: ServeOptions, argv: list[str] | None = None) -> int:
+    """Serve until interrupted (SIGINT/SIGTERM stop the workers at the next step boundary).
+
+    With ``--nproc`` (``argv``: the command's arguments, to start the ranks with) this process
+    starts the ranks and waits for them; rank 0 serves, the others follow it (:mod:`.ranks`).
+    """
+    import os
+
     import uvicorn
 
     from ..console import quiet_libraries
-    from ..loading import load
-    from ..platform import Platform
+    from ..parallel import launch
     from ..workflows import WORKFLOWS
     from .api_server import build_app
     from .engine import Engine
 
     ids = check_options(opts)
+    parallel = check_parallel_options(opts)
+    if parallel is not None and "WORLD_SIZE" not in os.environ:  # not yet a rank
+        if opts.port:
+            bind(opts.host, opts.port).close()  # a port in use fails here, before the ranks
+        return launch(list(argv or ()), parallel.world_size)
+    rank = int(os.environ.get("RANK", "0")) if parallel is not None else 0
+    if rank != 0:
+        return _follow(opts, ids, parallel)
     sock = bind(opts.host, opts.port)
+    relay = None
     try:
         host, port = sock.getsockname()[:2]
         if not _loopback(opts.host) and opts.api_key is None:
@@ -201,18 +247,19 @@ def run(opts: ServeOptions) -> int:
             import torch
 
             torch.set_num_threads(opts.threads)
-        backends = opts.backends or [None]
-        models = {}
-        for i, (name, path) in enumerate(zip(ids, opts.models)):
-            backend = backends[min(i, len(backends) - 1)]
-            models[name] = load(path, platform=Platform(backend) if backend else Platform.detect())
+        models = _load_models(opts, ids, parallel)
         preload_loras(models, opts.loras)
+        if parallel is not None:
+            from .ranks import RankRelay
+
+            relay = RankRelay(models)
         workflow = None
         if opts.workflow is not None:
             t2i, i2v = workflow_stages(models)
             workflow = (opts.workflow, WORKFLOWS[opts.workflow](models[t2i], models[i2v]), t2i, i2v)
         engine = Engine(models, opts.output_dir, workflow=workflow, max_queue=opts.max_queue,
-                        max_batch=opts.max_batch, expire_after=opts.expire_after)
+                        max_batch=opts.max_batch, expire_after=opts.expire_after,
+                        run=relay.run if relay is not None else None)
         app = build_app(engine, api_key=opts.api_key,
                         max_upload_bytes=int(opts.max_upload_mb * 2**20))
         logging.getLogger("flowseam.serve").setLevel(opts.log_level.upper())
@@ -223,10 +270,52 @@ def run(opts: ServeOptions) -> int:
               + ", ".join(m.id for m in engine.served()), flush=True)
         for name, model in models.items():
             print(f"  {name}: {model.provenance()}", flush=True)
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+            return 130
     finally:
         sock.close()
+        if relay is not None:
+            relay.close()
     return 0
+
+
+def _load_models(opts: ServeOptions, ids: list[str], parallel: "Parallel | None") -> dict:
+    """Every ``--model``, in order, on its ``--backend`` (split per ``parallel``; every rank
+    loads the same models in the same order, and only rank 0 prints the load lines)."""
+    import os
+
+    from ..loading import load
+    from ..platform import Platform
+
+    quiet = int(os.environ.get("RANK", "0")) != 0
+    backends = opts.backends or [None]
+    models = {}
+    for i, (name, path) in enumerate(zip(ids, opts.models)):
+        backend = backends[min(i, len(backends) - 1)]
+        models[name] = load(path, platform=Platform(backend) if backend else Platform.detect(),
+                            parallel=parallel, quiet=quiet)
+    return models
+
+
+def _follow(opts: ServeOptions, ids: list[str], parallel: "Parallel") -> int:
+    """A rank above 0 of ``flowseam serve --nproc``: load what rank 0 loads, then run what it
+    sends (:func:`flowseam.serve.ranks.follow`)."""
+    from ..console import quiet_libraries
+    from .ranks import follow
+
+    quiet_libraries()
+    if opts.threads is not None:
+        import torch
+
+        torch.set_num_threads(opts.threads)
+    models = _load_models(opts, ids, parallel)
+    preload_loras(models, opts.loras)
+    try:
+        return follow(models)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: rank 0 says it stopped
+        return 130
 
 
 def _loopback(host: str) -> bool:

@@ -78,8 +78,10 @@ class Stage:
         module = model.components[component]
         if lora["rank"]:
             _add_lora(module, lora)  # the rollout copy gets the same adapters (zero-initialised)
-        policy = copy.deepcopy(module)
-        reference = copy.deepcopy(module).requires_grad_(False) if with_reference else None
+        # a model split over ranks (flowseam.parallel) copies its DiT without the split
+        clone = model.unsplit_copy if isinstance(model, ModelInstance) else copy.deepcopy
+        policy = clone(module)
+        reference = clone(module).requires_grad_(False) if with_reference else None
         if lora["rank"]:
             for n, p in policy.named_parameters():
                 p.requires_grad_("lora_" in n)

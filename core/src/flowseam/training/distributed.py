@@ -43,9 +43,10 @@ import hashlib
 import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator
 
 import torch
+from pydantic import Field
 
 from ..errors import FlowseamError, InvalidInputError
 from .config import ConfigSection, validate_config
@@ -364,6 +365,15 @@ class DistributedSection(ConfigSection):
     fsdp: bool = False
 
 
+class ParallelSection(ConfigSection):
+    """The ``[parallel]`` table of ``flowgrpo``: split every rollout over the ranks
+    (:class:`flowseam.Parallel`: ``sp`` sequence shards, ``cfg`` the two CFG branches on two
+    groups), ``sp x (2 if cfg else 1)`` ranks in all, which must be every rank of the run."""
+
+    sp: Annotated[int, Field(ge=1)] = 1
+    cfg: bool = False
+
+
 def data_parallel(config: dict[str, Any]) -> DataParallel:
     """This process's :class:`DataParallel` for a method's ``config`` (its ``[distributed]``
     table: ``fsdp``), before any model loads.
@@ -411,23 +421,3 @@ def _destroy() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def launch(argv: list[str], nproc: int) -> int:
-    """Run ``python -m flowseam ARGV`` as ``nproc`` ranks on this machine with torchrun's own
-    launcher (``torch.distributed.run --standalone``: a free port, one process per rank,
-    ``OMP_NUM_THREADS=1`` unless set, the whole group torn down if one rank fails). Returns 0, or
-    1 after a rank failed (printing torchrun's report of which rank and why)."""
-    import sys
-
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    args = torchrun.get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "-m", "flowseam", *argv])
-    try:
-        torchrun.run(args)
-    except ChildFailedError as exc:
-        print(f"flowseam: a rank failed:\n{exc}", file=sys.stderr)
-        return 1
-    return 0

@@ -30,6 +30,7 @@ Config (TOML/YAML or dict)::
     checkpoint_every = 10              # 0: only the final checkpoint
     [distributed] fsdp = false         # with --nproc N / torchrun: shard the trainer (FSDP2)
                                        # instead of replicating it (DDP); see below
+    [parallel]  sp = 1; cfg = false    # split every rollout over the ranks (see below)
     [ray]       rollout_workers = 0    # > 0: roll out on a Ray fleet (see below)
                 reward_workers = 0     # > 0: score in reward actors
                 address, num_cpus, num_gpus (per rollout worker; num_gpus = 1: one per GPU),
@@ -49,6 +50,15 @@ share of every step's ``prompts_per_step`` × ``group_size`` samples (the seeds 
 one process), the rewards are gathered so advantages are computed over whole groups, gradients
 are averaged over ranks, rank 0 writes metrics and checkpoints (:mod:`.distributed`).
 
+Split rollouts (``[parallel] sp = N`` and/or ``cfg = true``, on ``flowseam train --nproc
+sp x (2 if cfg else 1)`` ranks: :mod:`flowseam.parallel`): every rollout runs on every rank, its
+DiT's tokens split ``sp`` ways (Ulysses) and its CFG branches on two groups of ranks, so each
+rank holds whole rollouts, with the log-probs one process records. Then each rank keeps its
+data-parallel share of them (the rule above: the step's rollouts are requested per share), scores
+it, and the PPO update runs data-parallel as above, each sample's full sequence on one rank.
+``[parallel]`` takes every rank of the run (one split generation at a time); more ranks for data
+parallelism besides, and a ``[ray]`` fleet, are refused.
+
 Rollout fleet (``[ray] rollout_workers = N``): the step's rollouts run on N Ray actors built from
 this process's frozen Platform, each group split over the workers (every member keeps its seed);
 the trainer recomputes log-probs with the pinned kernels and pushes each new weights version to
@@ -60,7 +70,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
@@ -89,10 +99,13 @@ from .config import (
     tuple_to_list,
     validate_config,
 )
-from .distributed import DataParallel, DistributedSection, data_parallel
+from .distributed import DataParallel, DistributedSection, ParallelSection, data_parallel
 from .fleet import RaySection, fleet_from_config
 from .grpo import GroupRLConfig, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .rewards import RewardScores, as_reward, build_reward, check_scores, reward_input
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..parallel import Parallel
 
 
 class SamplingSection(ConfigSection):
@@ -132,6 +145,7 @@ class FlowGRPOConfig(GroupRLConfig):
     optim: OptimSection = OptimSection()
     lora: LoraSection = LoraSection()
     distributed: DistributedSection = DistributedSection()
+    parallel: ParallelSection = ParallelSection()
     ray: RaySection = RaySection()
 
 
@@ -169,8 +183,9 @@ def check_sampling_against(model: ModelInstance, sampling: dict[str, Any], table
     """
     params = sampling_params(sampling)
     image = np.zeros((16, 16, 3), np.float32) if TaskType.I2V in model.card.tasks else None
-    try:
-        model.check(GenerationRequest("a prompt", model.card.task, params, image=image))
+    try:  # a split model ([parallel]) also checks that its split divides the rollouts' tokens
+        model.check_parallel(model.check(GenerationRequest("a prompt", model.card.task, params,
+                                                           image=image)))
     except ValueError as exc:
         raise FlowseamError(f"config [{table}]: {exc}") from exc
 
@@ -189,7 +204,7 @@ class FlowGRPO:
 
     name = "flowgrpo"
     #: the config's tables (``flowseam train --method flowgrpo --show-config``)
-    CONFIG_TABLES = ("sampling", "grpo", "optim", "lora", "distributed", "ray")
+    CONFIG_TABLES = ("sampling", "grpo", "optim", "lora", "distributed", "parallel", "ray")
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:
@@ -206,11 +221,13 @@ class FlowGRPO:
         self.grpo = GRPOConfig(**cfg["grpo"])
         optim, lora = cfg["optim"], cfg["lora"]
         self.dp = data_parallel(cfg)
-        self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
+        self.shard_sizes = (cfg["prompts_per_step"], cfg["group_size"])
+        self.shard = self.dp.shard_groups(*self.shard_sizes)
         ray_options = cfg["ray"]
         if ray_options["rollout_workers"] and self.dp.world_size > 1:
             raise FlowseamError("[ray] rollout_workers with several ranks is not implemented: one "
                                 "process drives a rollout fleet (drop --nproc, or the [ray] table)")
+        self.parallel = split_rollouts(cfg["parallel"], self.dp.world_size)
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"], dp=self.dp, method=self.name,
                               config=cfg)
@@ -225,7 +242,10 @@ class FlowGRPO:
                 raise FlowseamError("config needs model = <checkpoint directory>")
             platform = self.dp.platform(
                 lambda: Platform(cfg["backend"]) if cfg["backend"] else Platform.detect())
-            model = load(cfg["model"], platform=platform)
+            model = load(cfg["model"], platform=platform, parallel=self.parallel)
+        elif self.parallel is not None and model.parallel is None:
+            raise FlowseamError("[parallel] splits the rollouts of the model this run loads; the "
+                                "model passed in was loaded without parallel= (flowseam.load)")
         if TaskType.I2V in model.card.tasks:
             raise FlowseamError(f"flowgrpo trains text-conditioned models; {model.card.name} needs an "
                                 "image per prompt (use the workflow_rl method for image-to-video)")
@@ -251,6 +271,7 @@ class FlowGRPO:
         start)."""
         cfg = validate_config(cls.schema, config)
         DataParallel(world_size=world_size).shard_groups(cfg["prompts_per_step"], cfg["group_size"])
+        split_rollouts(cfg.get("parallel", {}), world_size)
 
     # -- one step ---------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[list[Trajectory], list, list[str], list | None]:
@@ -263,16 +284,24 @@ class FlowGRPO:
         """
         cfg = self.config
         params = sampling_params(self.sampling)
-        requests, prompts = [], []
-        for i, members in self.shard.parts():
-            prompt = cfg["prompts"][(step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
-            for part in _split(members, self.fleet.size if self.fleet else 1):
-                seeds = [derive_seed(cfg["seed"], step, i, k) for k in part]
-                requests.append(GenerationRequest([prompt] * len(part), self.model.card.task, params,
-                                                  seeds=seeds))
-                prompts.append(prompt)
+        requests, prompts, owners = [], [], []
+        # with [parallel] every rank runs every rank's share (split), then keeps its own
+        shards = ([DataParallel(r, self.dp.world_size).shard_groups(*self.shard_sizes)
+                   for r in range(self.dp.world_size)] if self.parallel else [self.shard])
+        for owner, shard in enumerate(shards):
+            for i, members in shard.parts():
+                prompt = cfg["prompts"][(step * cfg["prompts_per_step"] + i) % len(cfg["prompts"])]
+                for part in _split(members, self.fleet.size if self.fleet else 1):
+                    seeds = [derive_seed(cfg["seed"], step, i, k) for k in part]
+                    requests.append(GenerationRequest([prompt] * len(part), self.model.card.task,
+                                                      params, seeds=seeds))
+                    prompts.append(prompt)
+                    owners.append(owner if self.parallel else self.dp.rank)
         if self.fleet is None:
             results = [run_loop(self.model, r, profile=ExecutionProfile.ROLLOUT) for r in requests]
+            mine = [o == self.dp.rank for o in owners]
+            results = [r for r, keep in zip(results, mine) if keep]
+            prompts = [p for p, keep in zip(prompts, mine) if keep]
             rewards = None
         else:
             results, rewards = self.fleet.rollout(
@@ -358,6 +387,26 @@ class FlowGRPO:
             result = run_loop(self.model, request)
             out.append(self.score(prompt, result).total)
         return torch.stack(out).mean(dim=0)
+
+
+def split_rollouts(table: dict[str, Any], world_size: int) -> "Parallel | None":
+    """The :class:`flowseam.Parallel` layout of a ``[parallel]`` table (None: one rank a
+    rollout), which must take all ``world_size`` ranks of the run.
+
+    :raises FlowseamError: naming the numbers.
+    """
+    from ..parallel import Parallel
+
+    section = ParallelSection(**(table or {}))
+    parallel = Parallel(sp=section.sp, cfg=section.cfg)
+    if not parallel.enabled:
+        return None
+    if parallel.world_size != world_size:
+        raise FlowseamError(
+            f"[parallel] sp={parallel.sp}{' with cfg' if parallel.cfg else ''} splits each "
+            f"rollout over {parallel.world_size} ranks, and takes every rank of the run; the run "
+            f"has {world_size} (flowseam train --nproc {parallel.world_size})")
+    return parallel
 
 
 def _split(members: list[int], parts: int) -> list[list[int]]:

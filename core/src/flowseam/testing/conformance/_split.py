@@ -23,39 +23,16 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: The ranks of the check.
-WORLD = 2
+from ._support import ATTENTION_DTYPES, SPLIT_CASES, WORLD, SplitCase, randn
+
 #: Seconds the pair of processes may take in all (starting torch, the platform, every case).
 TIMEOUT_S = 300
 #: Seconds a collective may wait for the other rank before gloo gives up (a kernel that hangs).
 COLLECTIVE_TIMEOUT_S = 60
 
-
-@dataclass(frozen=True)
-class SplitCase:
-    """One split self-attention: the whole ``(B, heads, S, head_dim)`` of q, k and v (``S`` is
-    split in :data:`WORLD` halves) and the softmax scale."""
-
-    id: str
-    shape: tuple[int, int, int, int]
-    scale: float | None = None
-
-    @property
-    def heads_divide(self) -> bool:
-        return self.shape[1] % WORLD == 0
-
-
-SPLIT_CASES = (
-    SplitCase("self", (2, 4, 16, 8)),
-    SplitCase("batch1_odd_rows", (1, 4, 10, 8)),   # 5 rows per rank
-    SplitCase("scale", (1, 4, 8, 8), scale=0.3),
-    # heads that 2 does not divide: an all-to-all kernel may refuse (ValueError naming the heads)
-    SplitCase("heads3", (2, 3, 12, 8)),
-)
 
 #: The contract's bad arguments, per rank: id → what is wrong (the shapes are built in
 #: :func:`_bad_arguments`). Every rank must raise ValueError before any message is sent.
@@ -72,8 +49,6 @@ def case_key(dtype: str, case: SplitCase) -> str:
 
 def full_inputs(case: SplitCase, dtype: str, device: str):
     """The whole seeded q, k, v of ``case`` (what the oracle sees)."""
-    from ._support import randn
-
     return tuple(randn(case.shape, seed, dtype, device) for seed in (41, 42, 43))
 
 
@@ -149,8 +124,6 @@ def _error(exc: BaseException) -> tuple[str, str, bool]:
 
 
 def _bad_arguments(name: str, dtype: str, device: str):
-    from ._support import randn
-
     if name == "requires_grad":
         q = randn((1, 4, 4, 8), 1, dtype, device).requires_grad_()
         return q, randn((1, 4, 4, 8), 2, dtype, device), randn((1, 4, 4, 8), 3, dtype, device)
@@ -168,8 +141,6 @@ def main(spec_path: str) -> None:
 
     from flowseam import ops
     from flowseam.platform import Platform
-
-    from ._support import ATTENTION_DTYPES
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())

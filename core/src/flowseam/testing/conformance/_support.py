@@ -115,6 +115,33 @@ STEPS = (
 LARGE = STEPS[-1]
 
 
+#: The ranks of the ``sequence_parallel_attention`` check (:mod:`._split`).
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class SplitCase:
+    """One split self-attention: the whole ``(B, heads, S, head_dim)`` of q, k and v (``S`` is
+    split in :data:`WORLD` halves) and the softmax scale."""
+
+    id: str
+    shape: tuple[int, int, int, int]
+    scale: float | None = None
+
+    @property
+    def heads_divide(self) -> bool:
+        return self.shape[1] % WORLD == 0
+
+
+SPLIT_CASES = (
+    SplitCase("self", (2, 4, 16, 8)),
+    SplitCase("batch1_odd_rows", (1, 4, 10, 8)),   # 5 rows per rank
+    SplitCase("scale", (1, 4, 8, 8), scale=0.3),
+    # heads that 2 does not divide: an all-to-all kernel may refuse (ValueError naming the heads)
+    SplitCase("heads3", (2, 3, 12, 8)),
+)
+
+
 @dataclass(frozen=True)
 class UniPCCase:
     """One UniPC step of the kernel checks: the sigmas of the earlier model outputs (oldest
@@ -222,7 +249,7 @@ class KernelCase:
     cached: CachedAttentionCase | None = None
     renoise: RenoiseCase | None = None
     unipc: UniPCCase | None = None
-    split: Any = None  # a flowseam.testing.conformance._split.SplitCase
+    split: SplitCase | None = None
 
     @property
     def compute_dtype(self) -> str:
@@ -272,8 +299,6 @@ def kernel_cases(choice: Any) -> Iterator[tuple[str, KernelCase]]:
                     yield (f"{name}-{dtype_id}-{case.id}",
                            KernelCase(reg.op, reg.arch, xd, vd, unipc=case))
         elif reg.op == ops.SEQUENCE_PARALLEL_ATTENTION:  # on 2 ranks: _split.py
-            from ._split import SPLIT_CASES
-
             for dtype in ATTENTION_DTYPES:
                 for case in SPLIT_CASES:
                     yield (f"{name}-{dtype}-{case.id}",
