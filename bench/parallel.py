@@ -6,14 +6,20 @@ generation of ``--frames`` frames at ``--height`` x ``--width``, ``--steps`` Eul
 ``F' * (H/16) * (W/16)`` tokens after patching (``F' = (frames - 1)//4 + 1``), enough for the
 self-attention to dominate the DiT's FLOPs from about 4k tokens at width 128.
 
-Each run is a FRESH process (or ``torchrun --standalone`` job) with one torch thread a rank:
+Each run is a FRESH process (or ``torchrun --standalone`` job), one torch thread a rank unless said:
 
-* ``1 process``: plain ``python``;
+* ``1 process``: plain ``python``, one torch thread (the baseline the speed-ups are over);
+* ``1 process, N threads``: the same with ``N`` torch threads (as many as the split runs' ranks:
+  what one process on the same cores does without splitting);
 * ``--sp N``: N ranks, each with 1/N of the tokens (``flowseam.Parallel(sp=N)``);
 * ``--cfg-parallel``: the two CFG branches on two groups of N/2 ranks
   (``Parallel(sp=N/2, cfg=True)``; for N = 2: one rank per branch, no sequence split).
 
-``--repeats`` rounds, each running the three configurations, the order reversed every round.
+``--repeats`` rounds, each running the four configurations, the order reversed every round.
+Every process runs with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc then serves every tensor above
+128 KiB with its own mapping and returns it when the tensor is freed (its default threshold
+grows to 32 MiB as large blocks are freed, which would keep freed activations resident), so the
+resident set follows the live tensors and the "activations" figure below measures them.
 In every run the worker loads the model, runs a 1-step warm-up at the same size, then the
 measured generation (``decode=False`` unless ``--decode``). Reported per configuration:
 
@@ -82,11 +88,13 @@ def tokens_of(frames: int, height: int, width: int) -> int:
     return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
 
 
-def configurations(sp: int) -> dict[str, tuple[int, bool]]:
-    """name → (sp, cfg) of the three runs: 1 process, ``--sp sp``, ``--cfg-parallel`` on ``sp``
-    ranks in all (two groups of ``sp/2``)."""
+def configurations(sp: int) -> dict[str, tuple[int, bool, int]]:
+    """name → (sp, cfg, torch threads per rank) of the four runs: 1 process with 1 thread and
+    with ``sp`` threads, ``--sp sp``, ``--cfg-parallel`` on ``sp`` ranks in all (two groups of
+    ``sp/2``)."""
     cfg_name = "--cfg-parallel" + (f" --sp {sp // 2}" if sp > 2 else "")
-    return {"1 process": (1, False), f"--sp {sp}": (sp, False), cfg_name: (sp // 2, True)}
+    return {"1 process": (1, False, 1), f"1 process, {sp} threads": (1, False, sp),
+            f"--sp {sp}": (sp, False, 1), cfg_name: (sp // 2, True, 1)}
 
 
 def computed_bytes(args, sp: int, cfg: bool) -> dict[str, float]:
@@ -166,7 +174,7 @@ def save_atomic(path: Path, write) -> None:
 
 
 def worker(args) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.run_threads)
     import diffusers
 
     import flowseam
@@ -222,12 +230,13 @@ def worker(args) -> None:
 
 
 # -- the driver -----------------------------------------------------------------------------
-def launch(args, ckpt: Path, sp: int, cfg: bool, out: Path) -> dict:
-    """One fresh run of (sp, cfg); returns its ranks' records and rank 0's outputs."""
+def launch(args, ckpt: Path, sp: int, cfg: bool, threads: int, out: Path) -> dict:
+    """One fresh run of (sp, cfg) with ``threads`` torch threads a rank; returns its ranks'
+    records and rank 0's outputs."""
     out.mkdir(parents=True)
     world = sp * (2 if cfg else 1)
     worker_args = ["--worker", "--ckpt", str(ckpt), "--out", str(out), "--run-sp", str(sp),
-                   *(["--run-cfg"] if cfg else []), *(["--decode"] if args.decode else []),
+                   "--run-threads", str(threads), *(["--run-cfg"] if cfg else []), *(["--decode"] if args.decode else []),
                    "--backend", args.backend, "--steps", str(args.steps), "--frames",
                    str(args.frames), "--height", str(args.height), "--width", str(args.width),
                    "--layers", str(args.layers), "--heads", str(args.heads), "--head-dim",
@@ -238,7 +247,7 @@ def launch(args, ckpt: Path, sp: int, cfg: bool, out: Path) -> dict:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(world), script, *worker_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": "131072"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -276,6 +285,7 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--run-sp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--run-cfg", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--run-threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -312,8 +322,8 @@ def main() -> None:
     order = list(configs.items())
     for i in range(args.repeats):
         order.reverse()
-        for name, (sp, cfg) in order:
-            res = launch(args, ckpt, sp, cfg, root / f"r{i}-{sp}-{int(cfg)}")
+        for name, (sp, cfg, threads) in order:
+            res = launch(args, ckpt, sp, cfg, threads, root / f"r{i}-{sp}-{int(cfg)}-{threads}")
             runs[name].append(res)
             print(f"  round {i + 1} {name:<16} denoise "
                   f"{max(r['denoise_s'] for r in res['ranks']):.3f} s "
@@ -323,7 +333,7 @@ def main() -> None:
     med = {n: statistics.median(max(r["denoise_s"] for r in res["ranks"]) for res in rs)
            for n, rs in runs.items()}
     rows = []
-    for name, (sp, cfg) in configs.items():
+    for name, (sp, cfg, _threads) in configs.items():
         rs = runs[name]
         world = sp * (2 if cfg else 1)
         peak = max(r["peak_rss"] for res in rs for r in res["ranks"])
@@ -359,7 +369,7 @@ def main() -> None:
         print(f"  {'':<16} max |latents - 1 process| {r['diff']:.2e}"
               + (f", frames {r['fdiff']:.2e}" if r["fdiff"] is not None else ""))
 
-    print(f"\n`{command}` ({args.repeats} rounds, fresh processes, 1 torch thread a rank, "
+    print(f"\n`{command}` ({args.repeats} rounds, fresh processes, 1 torch thread a rank but where said, "
           f"load average {load0:.1f} → {os.getloadavg()[0]:.1f}; Wan2.1 T2V {args.layers} × "
           f"{width}, {S} tokens, {args.steps} steps, CFG {GUIDANCE}; peak RSS of the whole run, "
           "\"activations\" = the measured run's peak RSS (VmHWM reset at its start) − its RSS "

@@ -150,6 +150,9 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
     if parallel is not None and parallel.enabled:
         card.instance.check_parallel_layout(
             parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name)
+        from .parallel import bind_local_device
+
+        bind_local_device()  # each rank builds its components on its own GPU
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     raw = read_json(scheduler_file) if (root / "scheduler").is_dir() else None
     solver = None  # a card whose loop has its own sampler (the causal one) reads no scheduler

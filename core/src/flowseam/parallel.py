@@ -23,8 +23,9 @@ What is gathered each step is the DiT's output, the velocity (the latents' size)
 latents, its solver state, noise, log-probs and BehaviorRecords stay those of one process on every
 rank, so a rollout records exactly what one process would, and a trainer's update (which runs
 each sample's full sequence on one rank) recomputes it. Sharding the solver too would save that
-gather — under 1 % of the all-to-all traffic of a DiT step (``bench/parallel.py``) — at the cost
-of a distributed reduction inside every solver op; flowseam does not.
+gather — ``16 sp / (layers dim)`` of the all-to-all traffic of a DiT forward: 0.06 % for
+Wan2.1-14B on 8 ranks (``docs/scaling.md``) — at the cost of a distributed reduction inside the SDE
+step's log-prob and sharded noise draws; flowseam does not.
 
 Without gradients only: a split forward that requires grad is refused (``ValueError``).
 """
@@ -167,6 +168,14 @@ def launch(argv: list[str], nproc: int) -> int:
     return 0
 
 
+def bind_local_device() -> None:
+    """Make ``cuda:LOCAL_RANK`` this rank's current device (one GPU a rank) where CUDA is
+    available; nothing on a CPU host. Called before a split model's components are built, so
+    that a backend building on the current device puts each rank's copy on its own GPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def check_split(parallel: Parallel, *, heads: int, tokens: int, text_tokens: int | None = None,
                 model: str = "the DiT") -> None:
     """Refuse a split that does not divide: ``heads`` (per attention layer) and ``tokens`` (the
@@ -227,8 +236,7 @@ class ParallelGroups:
                     f"Parallel({parallel}) needs {parallel.world_size} ranks; this process is "
                     f"not one of them (WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')}): start "
                     f"it with flowseam generate --nproc {parallel.world_size} or torchrun")
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            bind_local_device()
             dist.init_process_group(
                 backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         world, rank = dist.get_world_size(), dist.get_rank()

@@ -178,7 +178,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     if n == 1:
         return attention(q, k, v, scale=scale)
     heads = [_rows_to_heads(t, n, group) for t in (q, k, v)]
-    return _heads_to_rows(attention(*heads, scale=scale), n, group)
+    out = attention(*heads, scale=scale)
+    del heads  # q, k, v over the whole sequence: freed before the trade back
+    B, h, S, Dv = out.shape
+    send = out.reshape(B, h, n, S // n, Dv).permute(2, 0, 1, 3, 4).contiguous()
+    del out
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's heads of my rows
+    del send
+    return recv.transpose(0, 1).reshape(B, n * h, S // n, Dv)
 
 
 def _rows_to_heads(x: torch.Tensor, n: int, group) -> torch.Tensor:
@@ -190,18 +198,8 @@ def _rows_to_heads(x: torch.Tensor, n: int, group) -> torch.Tensor:
     send = x.reshape(B, n, H // n, s, D).transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's rows of my heads
+    del send  # the buffers a call holds at once: the peak memory of a split attention
     return recv.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * s, D)
-
-
-def _heads_to_rows(x: torch.Tensor, n: int, group) -> torch.Tensor:
-    """The inverse of :func:`_rows_to_heads`: ``(B, H/n, n*s, D)`` → ``(B, H, s, D)``."""
-    import torch.distributed as dist
-
-    B, h, S, D = x.shape
-    send = x.reshape(B, h, n, S // n, D).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j]: rank j's heads of my rows
-    return recv.transpose(0, 1).reshape(B, n * h, S // n, D)
 
 
 def flow_renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor:
