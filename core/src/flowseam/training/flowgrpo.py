@@ -203,6 +203,9 @@ class FlowGRPO:
     """
 
     name = "flowgrpo"
+    #: the layout every rollout is split over (``[parallel]``), None: one rank a rollout (a
+    #: subclass that takes no ``[parallel]`` table, joint_multi_rl, keeps this)
+    parallel: "Parallel | None" = None
     #: the config's tables (``flowseam train --method flowgrpo --show-config``)
     CONFIG_TABLES = ("sampling", "grpo", "optim", "lora", "distributed", "parallel", "ray")
 
