@@ -67,6 +67,9 @@ LAYER = {
     "flowseam.noise": SEAM,
     "flowseam.media": SEAM,
     "flowseam.policies": SEAM,          # parsing of the request's lora / cache values
+    "flowseam.dtypes": SEAM,            # component dtypes asked for: parsed and checked
+    "flowseam.memory": SEAM,            # offload, VAE tiling / slicing options and helpers
+    "flowseam.weights": SEAM,           # loading a diffusers model converted, one tensor at once
     "flowseam.request": SEAM,
     "flowseam.schedulers": SEAM,        # a checkpoint's scheduler config → solver, sigmas
     "flowseam.defaults": SEAM,          # the precedence of serving defaults (plain data)

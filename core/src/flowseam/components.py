@@ -150,7 +150,10 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
             kwargs["dtype" if cls.__module__.startswith("transformers") else "torch_dtype"] = dtype
             cast = False
         try:
-            obj = cls.from_pretrained(spec.path, **kwargs)
+            # a diffusers model converted on load: one tensor at a time (flowseam.weights)
+            obj = _load_converted(cls, folder, dtype) if dtype is not None and is_module else None
+            if obj is None:
+                obj = cls.from_pretrained(spec.path, **kwargs)
         except Exception as exc:  # corrupt or incomplete files, shapes the config does not give
             files = sorted(p.name for p in folder.iterdir())
             raise CheckpointError(f"cannot load component {spec.name!r} ({spec.cls}) from {folder} "
@@ -171,6 +174,19 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
         obj = obj.to(device)
         obj.eval()
     return obj
+
+
+def _load_converted(cls: type, folder: Path, dtype: Any) -> Any:
+    """:func:`flowseam.weights.load_converted` for a diffusers model class, else None."""
+    try:
+        from diffusers import ModelMixin
+    except ImportError:  # pragma: no cover - diffusers is a dependency
+        return None
+    if not issubclass(cls, ModelMixin):
+        return None
+    from .weights import load_converted
+
+    return load_converted(cls, folder, dtype)
 
 
 def check_loading_info(spec: ComponentSpec, folder: Path, info: dict[str, Any]) -> None:

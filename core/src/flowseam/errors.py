@@ -124,3 +124,10 @@ class InvalidParameterError(InvalidInputError):
 
     def __reduce__(self):
         return (type(self), (self.field, self.args[0]))
+
+
+class NotEnoughMemoryError(MemoryError):
+    """Memory ran out while loading weights or running a component: the message says how much
+    was asked for and which options lower it (``--dtype``, ``--offload``, ``--vae-tiling``,
+    ``--vae-slicing``: :mod:`flowseam.memory`). A ``MemoryError``, so
+    :func:`flowseam.faults.is_out_of_memory` and the command line treat it as one (exit 1)."""

@@ -24,7 +24,8 @@ import contextlib
 import sys
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .errors import ComponentFaultError, FlowseamError, KernelArgumentError, KernelFaultError
+from .errors import (ComponentFaultError, FlowseamError, KernelArgumentError, KernelFaultError,
+                     NotEnoughMemoryError)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .components import ComponentRecord
@@ -79,7 +80,11 @@ def component_faults(model: Any, kinds: tuple[str, ...], doing: str) -> Iterator
         raise
     except Exception as exc:
         if is_out_of_memory(exc):
-            raise
+            advice = getattr(model, "memory_advice", None)
+            if advice is None or isinstance(exc, NotEnoughMemoryError):
+                raise
+            raise NotEnoughMemoryError(f"{describe(exc).removeprefix('raised ')} while {doing}; "
+                                       f"{advice(kinds)}") from exc
         records = records_of_kind(model, kinds)
         if not records:
             raise

@@ -109,6 +109,30 @@ def flowseam_component_kinds() -> Iterable[str] | None:
 
 
 @hookspec
+def flowseam_component_dtypes() -> Mapping[str, Iterable[str]] | None:
+    """Declare the dtypes this backend builds each component kind in when a user asks for one
+    (``flowseam.load(dtype=...)``, ``--dtype``): component kind (or ``"*"``: every kind it
+    builds) → dtype names (``"float32"``, ``"bfloat16"``, ``"float16"``).
+
+    firstresult: no — every plugin's declarations are collected (each plugin's own).
+
+    Called once at discovery. The builder then gets the asked dtype as ``ComponentSpec.dtype``
+    and loads the weights in it. A request for a dtype the plugin that builds the kind does not
+    declare — or any dtype, from a plugin that implements no such hook — is refused before any
+    weights load, naming the plugin and what it builds; without a request ``spec.dtype`` is
+    None and the plugin builds in its own default.
+
+    Example::
+
+        @hookimpl
+        def flowseam_component_dtypes():
+            return {"dit": ["bfloat16", "float16"], "vae": ["float32"]}
+
+    :returns: a mapping of kind → dtype names, or None.
+    """
+
+
+@hookspec
 def flowseam_component_classes() -> Iterable[str] | None:
     """Declare the model component classes this plugin ships, so that checkpoints may name them.
 

@@ -13,7 +13,10 @@ from . import loops  # noqa: F401  (registers the loops a loaded model runs: flo
 from .components import ComponentSpec, check_component_class
 from .console import library_output
 from .defaults import read_checkpoint_defaults
-from .errors import CheckpointError, FlowseamError
+from .dtypes import for_kinds, parse_dtypes
+from .errors import CheckpointError, FlowseamError, NotEnoughMemoryError
+from .faults import is_out_of_memory
+from .memory import MemoryOptions, advice, weight_bytes
 from .models import card_for_index, declared
 from .models.base import ModelCard, ModelInstance
 from .platform import Platform
@@ -93,7 +96,9 @@ def read_card(path_or_hub_id: str | os.PathLike) -> ModelCard:
 
 def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
          ignore_scheduler_options: Iterable[str] = (), quiet: bool = False,
-         verbose: bool = False, parallel: "Parallel | None" = None) -> ModelInstance:
+         verbose: bool = False, parallel: "Parallel | None" = None, dtype: Any = None,
+         offload: str | None = None, vae_tiling: bool | dict[str, Any] = False,
+         vae_slicing: bool = False) -> ModelInstance:
     """Load a diffusers-format checkpoint (WanPipeline, WanImageToVideoPipeline, Wan2.2's
     two-expert layouts of both, FluxPipeline, LTX2Pipeline, LTX2ImageToVideoPipeline, or
     flowseam's causal Wan layout) into a flowseam model instance.
@@ -125,34 +130,50 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
         CFG branch) is refused before any weights load.
     :param verbose: let diffusers and transformers print their loading progress bars and
         notices (off by default: :func:`flowseam.console.library_output`).
+    :param dtype: the dtype of the torch components (:mod:`flowseam.dtypes`): one for all
+        (``"bfloat16"``, ``torch.float16``), or per kind (``"dit=bfloat16,vae=float32"``,
+        ``{"dit": "bfloat16"}``); None: each backend's own (cpu: float32). Weights are loaded in
+        it (keep-in-float32 modules honoured), never in float32 first; a dtype the building
+        backend does not declare is refused before any weights load.
+    :param offload: ``"model"``: each component on the compute device only while it runs
+        (diffusers' ``enable_model_cpu_offload``; needs an accelerator: refused on a platform
+        whose components all live on the CPU); ``"text_encoder"``: the text encoders are freed
+        once a request's prompts are encoded (loaded again for a prompt not in the cache).
+        None: everything stays where it was built.
+    :param vae_tiling: decode (and encode) in overlapping tiles: diffusers'
+        ``vae.enable_tiling()``, or a dict of its arguments (tile sizes); refused for a VAE
+        without tiling and for the causal loop, whose streaming decode is chunked already.
+    :param vae_slicing: decode one sample of a batch at a time (``vae.enable_slicing()``).
     :raises FlowseamError: for a missing directory, an unreachable hub, a missing or corrupt
         checkpoint file (``flowseam.json`` included), a checkpoint without a component its card
         needs (naming what is missing and what the card needs), a layout or scheduler option
         flowseam refuses (named in the message); all before any weights load.
     :raises ValueError: if no card matches the checkpoint's pipeline class.
     """
+    memory = MemoryOptions.check(offload, vae_tiling, vae_slicing)
+    requested = parse_dtypes(dtype)
     with library_output(verbose):
-        return _load(path_or_hub_id, platform, ignore_scheduler_options, quiet, parallel)
+        return _load(path_or_hub_id, platform, ignore_scheduler_options, quiet, parallel,
+                     requested, memory)
 
 
 def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
           ignore_scheduler_options: Iterable[str], quiet: bool,
-          parallel: "Parallel | None" = None) -> ModelInstance:
+          parallel: "Parallel | None" = None, requested: dict[str, str] | None = None,
+          memory: "MemoryOptions | None" = None) -> ModelInstance:
     root = resolve_checkpoint(path_or_hub_id)
     index_file = root / "model_index.json"
-    index = read_json(index_file)
-    card = card_for_index(index, str(index_file))
-    card.instance.check_index(index, str(index_file))
     platform = platform if platform is not None else Platform.detect()
-    # refuses an incomplete checkpoint, and a class outside the allow-list (nothing imported)
-    plan = component_plan(root, index, card, platform.declared_component_classes())
+    memory = memory or MemoryOptions()
+    index, card, plan, dtypes = _plan(root, platform, requested or {}, memory)
     configs = check_layout(card, index, root)
     if parallel is not None and parallel.enabled:
-        card.instance.check_parallel_layout(
-            parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name)
-        from .parallel import bind_local_device
+        from .parallel import check_environment, takes_any_heads
 
-        bind_local_device()  # each rank builds its components on its own GPU
+        card.instance.check_parallel_layout(
+            parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name,
+            takes_any_heads(platform))
+        check_environment(parallel, platform)  # a rank of the layout, on its own GPU
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     raw = read_json(scheduler_file) if (root / "scheduler").is_dir() else None
     solver = None  # a card whose loop has its own sampler (the causal one) reads no scheduler
@@ -172,21 +193,34 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
         warnings.warn(f"{index_file}: {name} {index.get(name)!r} is not loaded: {why}",
                       UserWarning, stacklevel=2)
     components: dict[str, Any] = {}
-    records = {}
+    records, specs = {}, {}
     for entry, cls in plan:  # a library's loading error is a CheckpointError naming the files
         if entry.name in unused:
             continue
-        spec = ComponentSpec(name=entry.name, cls=cls, path=str(root), subfolder=entry.name)
-        components[entry.name] = platform.build_component(entry.kind, spec)
+        spec = ComponentSpec(name=entry.name, cls=cls, path=str(root), subfolder=entry.name,
+                             dtype=dtypes.get(entry.name))
+        try:
+            components[entry.name] = platform.build_component(entry.kind, spec)
+        except Exception as exc:  # out of memory: say how much the weights take, and what helps
+            if not is_out_of_memory(exc) or isinstance(exc, NotEnoughMemoryError):
+                raise
+            need = weight_bytes(root / entry.name, spec.dtype)
+            raise NotEnoughMemoryError(
+                f"out of memory loading {entry.name} ({entry.kind}): its weights take "
+                f"{need / 2**30:.2f} GiB in {spec.dtype or 'their stored dtype'} ({exc}); "
+                f"{advice((entry.kind,), memory, dtypes)}") from exc
+        specs[entry.name] = (entry.kind, spec)
         records[entry.name] = platform.components[-1]
     instance = card.instance(card, platform, components, root, solver, scheduler_config=raw,
                              pipeline_config=index)
     instance.read_index(index, str(index_file))
     instance.component_records = records
+    instance.component_specs = specs
     instance.unused_components = unused
     instance.serve_defaults = serve_defaults
     instance.route_attention()
     instance.install_step_constants()
+    instance.configure_memory(memory)
     if parallel is not None and parallel.enabled:
         instance.parallelize(parallel)
     if not quiet:
@@ -197,8 +231,58 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
     return instance
 
 
+def check_load_options(path_or_hub_id: str | os.PathLike, platform: Platform, *,
+                       dtype: Any = None, offload: str | None = None,
+                       vae_tiling: bool | dict[str, Any] = False, vae_slicing: bool = False) -> None:
+    """What :func:`load` checks of its ``dtype`` and memory options before any weights load,
+    alone (``flowseam generate --nproc`` checks them before it starts the ranks).
+
+    :raises InvalidInputError: as :func:`load`.
+    """
+    _plan(resolve_checkpoint(path_or_hub_id), platform, parse_dtypes(dtype),
+          MemoryOptions.check(offload, vae_tiling, vae_slicing))
+
+
+def _plan(root: Path, platform: Platform, requested: dict[str, str], memory: MemoryOptions):
+    """``(index, card, plan, dtypes)`` of the checkpoint at ``root``: its card, the components to
+    build (:func:`component_plan`: an incomplete checkpoint and a class outside the allow-list
+    are refused, nothing imported) and the dtype asked for each, with the memory options
+    checked against them."""
+    index_file = root / "model_index.json"
+    index = read_json(index_file)
+    card = card_for_index(index, str(index_file))
+    card.instance.check_index(index, str(index_file))
+    plan = component_plan(root, index, card, platform.declared_component_classes())
+    dtypes = component_dtypes(plan, requested, platform, card.name)
+    memory.check_against(card, plan, platform)
+    return index, card, plan, dtypes
+
+
+#: component kinds that are not torch modules (no dtype, nothing to offload)
+NOT_MODULES = ("tokenizer", "image_processor")
+
+
+def component_dtypes(plan: list[tuple[Any, str]], requested: dict[str, str], platform: Platform,
+                     card: str) -> dict[str, str]:
+    """component name → the dtype asked for it (:func:`flowseam.dtypes.parse_dtypes`'s request
+    spread over the card's kinds), each checked with the plugin that will build it.
+
+    :raises InvalidInputError: a kind the card lacks, or a dtype its backend does not build.
+    """
+    if not requested:
+        return {}
+    kinds = list(dict.fromkeys(e.kind for e, _ in plan if e.kind not in NOT_MODULES))
+    per_kind = for_kinds(requested, kinds, card)
+    out = {}
+    for entry, _ in plan:
+        if entry.kind in per_kind:
+            platform.check_dtype(entry.kind, entry.name, per_kind[entry.kind])
+            out[entry.name] = per_kind[entry.kind]
+    return out
+
+
 def check_parallel_checkpoint(path_or_hub_id: str | os.PathLike, parallel: "Parallel",
-                              params: DiffusionParams) -> None:
+                              params: DiffusionParams, platform: Platform | None = None) -> None:
     """Refuse, before any weights load, a :class:`~flowseam.Parallel` layout the checkpoint's
     card cannot run, or a request (``params``; unset fields take the checkpoint's and the card's
     defaults) it cannot split: a loop that cannot be split, heads or tokens after patching that
@@ -206,6 +290,9 @@ def check_parallel_checkpoint(path_or_hub_id: str | os.PathLike, parallel: "Para
     checks before it starts the ranks). Reads ``model_index.json`` and the DiT's and the VAE's
     ``config.json`` (with the diffusers class's defaults for keys a config leaves out).
 
+    :param platform: the platform the ranks will build (its ``sequence_parallel_attention``
+        may take any heads: :func:`flowseam.parallel.takes_any_heads`); default
+        ``Platform.detect()``.
     :raises InvalidInputError: naming the numbers.
     :raises FlowseamError: for a checkpoint that cannot be read.
     """
@@ -213,12 +300,17 @@ def check_parallel_checkpoint(path_or_hub_id: str | os.PathLike, parallel: "Para
 
     import diffusers
 
+    from .parallel import takes_any_heads
+
+    any_heads = takes_any_heads(platform if platform is not None else Platform.detect())
+
     root = resolve_checkpoint(path_or_hub_id)
     index = read_json(root / "model_index.json")
     card = card_for_index(index, str(root / "model_index.json"))
     configs = check_layout(card, index, root)
     card.instance.check_parallel_layout(
-        parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name)
+        parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name,
+        any_heads)
     params = params.with_defaults({**card.defaults, **read_checkpoint_defaults(root)})
     full = {}
     for name in (card.instance.DIT, "vae"):
@@ -227,7 +319,7 @@ def check_parallel_checkpoint(path_or_hub_id: str | os.PathLike, parallel: "Para
             k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
             if p.default is not inspect.Parameter.empty}
         full[name] = {**defaults, **read_json(root / name / "config.json")}
-    card.instance.check_parallel_request(parallel, params, full, card.name)
+    card.instance.check_parallel_request(parallel, params, full, card.name, any_heads)
 
 
 def check_layout(card: ModelCard, index: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:

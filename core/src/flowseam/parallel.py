@@ -41,6 +41,13 @@ import torch
 from .errors import FlowseamError, InvalidInputError
 
 
+def agreed_stop(exc: BaseException) -> bool:
+    """Whether ``exc`` ended a split generation on every rank at the same step (a step callback
+    that raised: :meth:`ParallelGroups.agreed`), or was refused before any rank communicated
+    (bad input): the ranks are still in step and can run the next request."""
+    return getattr(exc, "agreed_stop", False) or isinstance(exc, InvalidInputError)
+
+
 class ParallelStopError(FlowseamError):
     """Another rank of a split generation stopped it (its step callback raised: a cancelled
     request, a client that went away)."""
@@ -110,10 +117,17 @@ def parallel_from_options(nproc: int | None, sp: int | None, cfg: bool) -> Paral
     return layout if layout.enabled else None
 
 
-def device_slots() -> tuple[int, str]:
-    """How many ranks this machine gives a device each: its CUDA GPUs when torch sees any (one
-    GPU a rank), else the CPU cores this process may run on (one torch thread a rank)."""
-    if torch.cuda.is_available():
+def uses_gpu(platform: Any) -> bool:
+    """Whether ``platform`` runs on the GPUs torch sees (its first device is not the CPU's), so
+    that each rank takes one (``cuda:LOCAL_RANK``)."""
+    return torch.cuda.is_available() and platform is not None and \
+        platform.device_chain[0] != "cpu"
+
+
+def device_slots(platform: Any = None) -> tuple[int, str]:
+    """How many ranks this machine gives a device each: for a platform on the GPU its CUDA GPUs
+    (one GPU a rank), else the CPU cores this process may run on (one torch thread a rank)."""
+    if uses_gpu(platform):
         return torch.cuda.device_count(), "CUDA GPUs"
     try:
         return len(os.sched_getaffinity(0)), "CPU cores"
@@ -121,12 +135,12 @@ def device_slots() -> tuple[int, str]:
         return os.cpu_count() or 1, "CPU cores"
 
 
-def check_ranks(parallel: Parallel) -> None:
-    """Refuse a layout that needs more ranks than :func:`device_slots`.
+def check_ranks(parallel: Parallel, platform: Any = None) -> None:
+    """Refuse a layout that needs more ranks than :func:`device_slots` of ``platform``.
 
     :raises InvalidInputError: naming both numbers.
     """
-    have, what = device_slots()
+    have, what = device_slots(platform)
     if parallel.world_size > have:
         layout = f"--sp {parallel.sp}" + (" x 2 CFG branches" if parallel.cfg else "")
         raise InvalidInputError(
@@ -150,8 +164,12 @@ def launch(argv: list[str], nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    import shutil
+    import tempfile
+
+    logs = tempfile.mkdtemp(prefix="flowseam-ranks-")  # torchrun's error files; removed below
     args = torchrun.get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "-m", "flowseam"])
+        ["--standalone", f"--nproc-per-node={nproc}", f"--log-dir={logs}", "-m", "flowseam"])
     args.training_script_args = list(argv)  # not parsed by torchrun (--nproc is its prefix)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its notice
     try:
@@ -165,32 +183,66 @@ def launch(argv: list[str], nproc: int) -> int:
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException as exc:  # Ctrl-C or SIGTERM: torchrun has passed it to every rank
         return 128 + int(exc.sigval)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return 0
 
 
-def bind_local_device() -> None:
-    """Make ``cuda:LOCAL_RANK`` this rank's current device (one GPU a rank) where CUDA is
-    available; nothing on a CPU host. Called before a split model's components are built, so
-    that a backend building on the current device puts each rank's copy on its own GPU."""
-    if torch.cuda.is_available():
+def is_rank_of(world_size: int) -> bool:
+    """Whether this process is a rank of a ``world_size``-rank job: torch.distributed is up
+    with that many ranks, or torchrun started it as one (``WORLD_SIZE`` equal to it, ``RANK``
+    and ``MASTER_ADDR`` set). A ``WORLD_SIZE`` the environment merely inherited (1, or another
+    job's) is not: ``--nproc`` then starts its own ranks."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() == world_size
+    return (os.environ.get("WORLD_SIZE") == str(world_size) and "RANK" in os.environ
+            and "MASTER_ADDR" in os.environ)
+
+
+def check_environment(parallel: Parallel, platform: Any) -> None:
+    """Refuse, before any weights load, a process that is not one of ``parallel``'s ranks; on a
+    platform on the GPU, make ``cuda:LOCAL_RANK`` this rank's device (one GPU a rank), so that
+    a backend building on the current device puts each rank's copy on its own GPU.
+
+    :raises FlowseamError: naming the ranks needed and how to start them.
+    """
+    if not is_rank_of(parallel.world_size):
+        raise FlowseamError(
+            f"Parallel({parallel}) needs {parallel.world_size} ranks; this process is not one of "
+            f"them (WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')}): start it with flowseam "
+            f"generate --nproc {parallel.world_size} or torchrun")
+    if uses_gpu(platform):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def takes_any_heads(platform: Any) -> bool:
+    """Whether the platform's ``sequence_parallel_attention`` runs any number of heads over
+    ``sp`` ranks (its function says so: ``any_heads = True``, ring attention), rather than
+    needing heads divisible by ``sp`` (Ulysses' all-to-all, the default)."""
+    from . import ops
+
+    return bool(getattr(platform.kernels.get(ops.SEQUENCE_PARALLEL_ATTENTION).fn, "any_heads",
+                        False))
+
+
 def check_split(parallel: Parallel, *, heads: int, tokens: int, text_tokens: int | None = None,
-                model: str = "the DiT") -> None:
-    """Refuse a split that does not divide: ``heads`` (per attention layer) and ``tokens`` (the
-    DiT's sequence after patching; and ``text_tokens`` when the text joins the self-attention,
-    as in FLUX) must be multiples of ``parallel.sp``.
+                model: str = "the DiT", any_heads: bool = False) -> None:
+    """Refuse a split that does not divide: ``heads`` (per attention layer; unless the kernel
+    takes ``any_heads``) and ``tokens`` (the DiT's sequence after patching; and ``text_tokens``
+    when the text joins the self-attention, as in FLUX) must be multiples of ``parallel.sp``.
 
     :raises InvalidInputError: naming the numbers.
     """
     n = parallel.sp
     if n == 1:
         return
-    if heads % n:
+    if heads % n and not any_heads:
         raise InvalidInputError(
             f"--sp {n}: {model} has {heads} attention heads, not a multiple of {n} (Ulysses "
-            f"gives each rank heads/sp heads); use an sp that divides {heads}")
+            f"gives each rank heads/sp heads); use an sp that divides {heads}, or a backend whose "
+            "sequence_parallel_attention takes any heads (accel's ring attention)")
     if tokens % n:
         raise InvalidInputError(
             f"--sp {n}: the request makes {tokens} tokens after patching, not a multiple of {n}; "
@@ -230,13 +282,11 @@ class ParallelGroups:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            if world != parallel.world_size or "MASTER_ADDR" not in os.environ:
+            if not is_rank_of(parallel.world_size):
                 raise FlowseamError(
                     f"Parallel({parallel}) needs {parallel.world_size} ranks; this process is "
                     f"not one of them (WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')}): start "
                     f"it with flowseam generate --nproc {parallel.world_size} or torchrun")
-            bind_local_device()
             dist.init_process_group(
                 backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -273,7 +323,8 @@ class ParallelGroups:
         """A step callback every rank calls at every step: it runs ``step_callback`` (this
         rank's; None on ranks that have none, e.g. a server's workers) and, when any rank's
         raised, raises on every rank — the raising rank's own exception, on the others
-        :class:`ParallelStopError` — so no rank is left waiting in a collective."""
+        :class:`ParallelStopError` — so no rank is left waiting in a collective. Either carries
+        ``agreed_stop = True`` (:func:`agreed_stop`): every rank stopped at the same step."""
         def callback(i: int, n: int, latents: torch.Tensor) -> None:
             error = None
             if step_callback is not None:
@@ -282,9 +333,10 @@ class ParallelGroups:
                 except BaseException as exc:  # re-raised below, after every rank knows
                     error = exc
             if self.any(error is not None):
-                if error is not None:
-                    raise error
-                raise ParallelStopError(f"another rank stopped the generation at step {i}")
+                if error is None:
+                    error = ParallelStopError(f"another rank stopped the generation at step {i}")
+                error.agreed_stop = True
+                raise error
 
         return callback
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from .components import MODULE_KINDS, ComponentRecord, ComponentSpec, module_dtype
 from .declarations import Provenance
-from .errors import BackendUnavailableError, ComponentBuildError, FlowseamError
+from .errors import BackendUnavailableError, ComponentBuildError, FlowseamError, InvalidInputError
 from .faults import component_fault, describe, is_out_of_memory
 from .isolation import patch_watch
 from .kernels import BoundKernel, KernelTable
@@ -184,6 +184,29 @@ class Platform:
         (``flowseam_component_classes``): what a checkpoint may name besides diffusers and
         transformers classes."""
         return {c for r in self._registry.usable() for c in r.component_classes}
+
+    def check_dtype(self, kind: str, component: str, dtype: str) -> None:
+        """Refuse asking for ``component`` (of ``kind``) in ``dtype`` when the plugin that would
+        build it (:meth:`component_plan`) does not declare that dtype for the kind
+        (``flowseam_component_dtypes``): before any weights load.
+
+        :raises InvalidInputError: naming the component, the plugin and what it builds.
+        """
+        for i, device in enumerate(self.device_chain):
+            for rec in self._serving[device]:
+                if not rec.builds(kind):
+                    continue
+                declared = rec.dtypes(kind)
+                if dtype in declared:
+                    return
+                where = f"plugin {rec.name!r} (device {device}" + \
+                    (", the fallback)" if i else ")")
+                offers = (f"builds {kind} in {', '.join(declared)} only" if declared else
+                          f"does not say which dtypes it builds {kind} in (no "
+                          "flowseam_component_dtypes), so it builds it in its own")
+                raise InvalidInputError(
+                    f"dtype {dtype} for {component} ({kind}): {where} {offers}; ask for "
+                    f"another dtype, or another --backend")
 
     def component_plan(self, kind: str) -> tuple[str, str, bool]:
         """(device, plugin, fallback) that would first be asked to build ``kind``."""

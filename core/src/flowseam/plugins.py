@@ -59,6 +59,8 @@ class PluginRecord:
     kernels: list[KernelRegistration] = field(default_factory=list)
     component_kinds: tuple[str, ...] = ()
     component_classes: tuple[str, ...] = ()
+    #: kind (or ``"*"``) → the dtypes it builds that kind in on request (flowseam_component_dtypes)
+    component_dtypes: dict[str, tuple[str, ...]] = field(default_factory=dict)
     arch_chain: tuple[str, ...] = ("generic",)
     methods: dict[str, Any] = field(default_factory=dict)
     rewards: dict[str, Any] = field(default_factory=dict)
@@ -79,6 +81,10 @@ class PluginRecord:
         """Whether this plugin declared ``kind`` (or ``"*"``, every kind)."""
         return kind in self.component_kinds or "*" in self.component_kinds
 
+    def dtypes(self, kind: str) -> tuple[str, ...]:
+        """The dtypes this plugin builds ``kind`` in on request (none declared: ``()``)."""
+        return self.component_dtypes.get(kind, self.component_dtypes.get("*", ()))
+
     @property
     def usable(self) -> bool:
         return self.status == "available"
@@ -97,6 +103,7 @@ class PluginRecord:
             "arch_chain": list(self.arch_chain) if self.backend else None,
             "components": list(self.component_kinds),
             "component_classes": list(self.component_classes),
+            "component_dtypes": {k: list(v) for k, v in self.component_dtypes.items()},
             "methods": sorted(self.methods),
             "rewards": sorted(self.rewards),
             "entry_point": self.value,
@@ -260,8 +267,23 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
             f"flowseam_component_classes() returned {bad!r}; expected dotted class "
             "paths such as 'flowseam_myvendor.models.MyDiT'")
     rec.component_classes = tuple(classes)
+    rec.component_dtypes = _dtype_table(reg.call(rec, "flowseam_component_dtypes"))
     rec.methods = _named_mapping(reg.call(rec, "flowseam_training_methods"), "flowseam_training_methods")
     rec.rewards = _named_mapping(reg.call(rec, "flowseam_rewards"), "flowseam_rewards")
+
+
+def _dtype_table(result: Any) -> dict[str, tuple[str, ...]]:
+    """``flowseam_component_dtypes()``'s mapping, every dtype checked (:mod:`flowseam.dtypes`)."""
+    from .dtypes import dtype_name
+
+    if result is None:
+        return {}
+    if not isinstance(result, Mapping):
+        raise TypeError(f"flowseam_component_dtypes() returned {result!r}; expected a mapping "
+                        "of component kind to dtype names")
+    return {str(kind): tuple(dtype_name(d, f"flowseam_component_dtypes()[{kind!r}]")
+                             for d in _names(names, "flowseam_component_dtypes"))
+            for kind, names in result.items()}
 
 
 def _names(result: Any, hook: str) -> list[str]:

@@ -43,7 +43,8 @@ import threading
 import traceback
 from typing import Callable
 
-from ..errors import BackendUnavailableError, FlowseamError, PluginFaultError, RewardServerError
+from ..errors import (BackendUnavailableError, FlowseamError, NotEnoughMemoryError, PluginFaultError,
+                      RewardServerError)
 from ..faults import is_out_of_memory
 
 #: Exit statuses: 2 for bad input (an option, a file, a config, a checkpoint), 3 for a plugin that
@@ -63,7 +64,8 @@ def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: temporary files a
     _sigterm_received.set()
     rank = _rank()
     if rank is not None:  # torchrun stops every rank when one fails: say why this one stopped
-        _say(f"{rank}: stopped (SIGTERM: the launcher stops every rank when one fails)")
+        _say(f"{rank}: stopped (SIGTERM: the launcher passes on a SIGTERM and stops every rank "
+             "when one fails)")
     raise SystemExit(EXIT_TERMINATED)
 
 
@@ -77,14 +79,21 @@ def _rank() -> str | None:
 
 
 def is_lost_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is a torch.distributed collective that failed because another rank went
-    away (gloo's "Connection reset/closed by peer", a ``DistError``), in a rank of a job."""
+    """Whether ``exc``, or what it wraps (a kernel's or component's fault naming the plugin it
+    ran in), is a torch.distributed collective that failed because another rank went away
+    (gloo's "Connection reset/closed by peer", a ``DistNetworkError``), in a rank of a job."""
     torch = sys.modules.get("torch")
-    if torch is None or _rank() is None or not isinstance(exc, RuntimeError):
+    if torch is None or _rank() is None:
         return False
-    text = str(exc)
-    return (isinstance(exc, getattr(torch.distributed, "DistNetworkError", ())) or "by peer" in text
-            or ("gloo" in text and "transport" in text))
+    seen = 0
+    while exc is not None and seen < 8:
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and (
+                isinstance(exc, getattr(torch.distributed, "DistNetworkError", ()))
+                or "by peer" in text or ("gloo" in text and "transport" in text)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -121,6 +130,9 @@ def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
 
 def report(exc: Exception) -> int:
     """Tell the user what ``exc``, raised by a command, means (on stderr); its exit status."""
+    if is_lost_peer(exc):  # a rank died: not a bug here; the launcher names the one that failed
+        _say(f"{_rank()}: another rank of this job went away ({_first_line(_lost(exc))})")
+        return EXIT_BUG
     if isinstance(exc, PluginFaultError):  # before FlowseamError: a fault is one
         _say(f"plugin fault: {exc}")
         return EXIT_PLUGIN_FAULT
@@ -140,8 +152,8 @@ def report(exc: Exception) -> int:
     if pydantic is not None and isinstance(exc, pydantic.ValidationError):
         _say(f"error: {_validation_message(exc)}")
         return EXIT_USAGE
-    if is_lost_peer(exc):  # a rank died: not a bug here; the launcher names the one that failed
-        _say(f"{_rank()}: another rank of this job went away ({_first_line(exc)})")
+    if isinstance(exc, NotEnoughMemoryError):  # says what it needed and what lowers it
+        _say(f"out of memory: {' '.join(str(exc).split())}")
         return EXIT_BUG
     if is_out_of_memory(exc):
         _say(f"out of memory: {_first_line(exc)} (the request needs more memory than this machine "
@@ -156,6 +168,15 @@ def report(exc: Exception) -> int:
              f"{_first_line(exc)}. Please report it with the command you ran, the traceback "
              "above and the output of flowseam --version.")
     return EXIT_BUG
+
+
+def _lost(exc: BaseException) -> BaseException:
+    """The collective's own error inside ``exc``'s chain (what :func:`is_lost_peer` found)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        if "by peer" in str(exc) or "transport" in str(exc):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return exc
 
 
 def _say(line: str) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..console import quiet_libraries
 from ..errors import InvalidInputError
-from .parsing import add_parallel_options
+from .parsing import add_memory_options, add_parallel_options, memory_options
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..parallel import Parallel
@@ -68,6 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="text tokens the text encoder keeps (sample with what the model was "
                         "trained with); with --workflow, the text-to-image stage's")
     add_parallel_options(g, "rank 0 writes the output")
+    add_memory_options(g)
     g.add_argument("--backend", action="append",
                    help="backend name (default: the highest-priority available); with --workflow, "
                         "give it twice to choose each stage's backend")
@@ -150,8 +151,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .. import media
     from ..defaults import read_checkpoint_defaults
-    from ..loading import load, read_card, resolve_checkpoint
-    from ..parallel import launch
+    from ..loading import check_load_options, load, read_card, resolve_checkpoint
+    from ..parallel import is_rank_of, launch
     from ..platform import Platform
     from ..request import DiffusionParams, check_memory
     from ..workflows import WORKFLOWS
@@ -209,26 +210,33 @@ def _generate(args: argparse.Namespace) -> int:
         check_memory(stage.with_defaults({**read_card(root).defaults,
                                           **read_checkpoint_defaults(root)}))
     media.check_writable(args.output)
-    parallel = _parallel(args, params)
-    rank = int(os.environ.get("RANK", "0")) if parallel is not None else 0
-    if parallel is not None and "WORLD_SIZE" not in os.environ:  # not yet a rank: start them
-        return launch(args.argv, parallel.world_size)
     platforms = [Platform(b) if b else Platform.detect() for b in backends]
     platform = platforms[0]
+    for path, stage_platform in zip(args.model, platforms * 2):  # before any weights load
+        check_load_options(path, stage_platform, **memory_options(args))
+    parallel = _parallel(args, stages, platforms)
+    rank = int(os.environ.get("RANK", "0")) if parallel is not None else 0
+    if parallel is not None and not is_rank_of(parallel.world_size):  # start the ranks
+        return launch(args.argv, parallel.world_size)
     started = time.perf_counter()
     if args.workflow is not None:
         # each stage keeps its own platform resolution (a second --backend sets stage 2's)
-        t2i = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
-        i2v = load(args.model[1], platform=platforms[-1], ignore_scheduler_options=ignore)
+        t2i = load(args.model[0], platform=platform, ignore_scheduler_options=ignore,
+                   parallel=parallel, quiet=rank != 0, **memory_options(args))
+        i2v = load(args.model[1], platform=platforms[-1], ignore_scheduler_options=ignore,
+                   parallel=parallel, quiet=rank != 0, **memory_options(args))
         _check_sound(args.output, suffix, i2v)
         workflow = WORKFLOWS[args.workflow](t2i, i2v)
         image_params, video_params = stages
         result = workflow.run(args.prompt, t2i_params=image_params,
                               i2v_params=_with_frame_rate(video_params, i2v, args.fps),
-                              seed=args.seed, progress=True)
+                              seed=args.seed, progress=rank == 0)
         frames, models, runs = result.frames, [t2i, i2v], result.stages
+        if rank != 0:  # every rank holds the frames; rank 0 writes them and reports
+            return 0
     elif args.stream:
-        model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore)
+        model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore,
+                     **memory_options(args))
         chunks = model.generate_stream(args.prompt, params=params)  # refuses a non-causal model
         with media.StreamingVideoWriter(args.output, fps=args.fps or 8) as writer:
             for chunk in chunks:
@@ -245,7 +253,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     else:
         model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore,
-                     parallel=parallel, quiet=rank != 0)
+                     parallel=parallel, quiet=rank != 0, **memory_options(args))
         _check_sound(args.output, suffix, model)
         result = model.generate(args.prompt, image=image,
                                 params=_with_frame_rate(params, model, args.fps),
@@ -282,21 +290,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parallel(args: argparse.Namespace, params) -> "Parallel | None":
+def _parallel(args: argparse.Namespace, stages: tuple, platforms: list) -> "Parallel | None":
     """The layout ``--nproc``/``--sp``/``--cfg-parallel`` ask for (None: one process), checked
-    against this machine and the checkpoint before any model loads (:mod:`flowseam.parallel`)."""
+    against this machine and each checkpoint, with its stage's parameters, before any model
+    loads (:mod:`flowseam.parallel`)."""
     from ..loading import check_parallel_checkpoint
     from ..parallel import check_ranks, parallel_from_options
 
     parallel = parallel_from_options(args.nproc, args.sp, args.cfg_parallel)
     if parallel is None:
         return None
-    if args.workflow is not None or args.stream:
-        raise InvalidInputError(
-            f"--nproc/--sp/--cfg-parallel split one model's generation; "
-            f"{'--workflow' if args.workflow else '--stream'} is not split (drop one)")
-    check_ranks(parallel)
-    check_parallel_checkpoint(args.model[0], parallel, params)
+    if args.stream:
+        raise InvalidInputError("--nproc/--sp/--cfg-parallel split a generation; --stream (the "
+                                "causal loop, chunk by chunk) is not split (drop one)")
+    check_ranks(parallel, platforms[0])
+    for path, stage, platform in zip(args.model, stages, platforms * 2):
+        check_parallel_checkpoint(path, parallel, stage, platform)
     return parallel
 
 

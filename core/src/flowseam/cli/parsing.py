@@ -68,3 +68,29 @@ def add_parallel_options(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--cfg-parallel", action="store_true",
         help="run the conditional and unconditional CFG passes on two groups of ranks")
+
+
+def add_memory_options(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``, ``--offload``, ``--vae-tiling`` and ``--vae-slicing`` of ``generate`` and
+    ``serve`` (:func:`flowseam.load`'s ``dtype``, ``offload``, ``vae_tiling``, ``vae_slicing``)."""
+    parser.add_argument(
+        "--dtype", metavar="DTYPE",
+        help="the dtype the components are loaded and run in: float32, bfloat16 or float16, or "
+             "one per kind (dit=bfloat16,vae=float32); default: the backend's own (cpu: "
+             "float32)")
+    parser.add_argument(
+        "--offload", choices=("model", "text-encoder"),
+        help="model: each component on the accelerator only while it runs (diffusers' "
+             "enable_model_cpu_offload); text-encoder: free the text encoder once the prompt "
+             "is encoded")
+    parser.add_argument("--vae-tiling", action="store_true",
+                        help="decode in overlapping tiles (the VAE's own enable_tiling): "
+                             "memory flat in the frame size")
+    parser.add_argument("--vae-slicing", action="store_true",
+                        help="decode one sample of a batch at a time")
+
+
+def memory_options(args: argparse.Namespace) -> dict:
+    """:func:`flowseam.load`'s keyword arguments from :func:`add_memory_options`'s options."""
+    return {"dtype": args.dtype, "offload": args.offload, "vae_tiling": args.vae_tiling,
+            "vae_slicing": args.vae_slicing}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .parsing import add_parallel_options
+from .parsing import add_memory_options, add_parallel_options, memory_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch CPU threads (default: torch's, one per core); on a shared or "
                         "small CPU machine fewer threads than cores often run faster")
     add_parallel_options(s, "rank 0 serves HTTP, the others follow it")
+    add_memory_options(s)
     s.add_argument("--lora", action="append", metavar="PATH",
                    help="a LoRA .safetensors file loaded at start into every model it fits; "
                         "requests name loaded files in their 'lora' field (repeatable)")
@@ -63,5 +64,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, max_batch=args.max_batch, output_dir=args.output_dir,
         expire_after=args.expire_after, max_upload_mb=args.max_upload_mb,
         log_level=args.log_level, threads=args.threads, loras=args.lora or [],
-        nproc=args.nproc, sp=args.sp, cfg_parallel=args.cfg_parallel), argv=args.argv)
+        nproc=args.nproc, sp=args.sp, cfg_parallel=args.cfg_parallel,
+        load_options=memory_options(args)), argv=args.argv)
 

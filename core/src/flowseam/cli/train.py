@@ -32,6 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config key, TABLE.KEY for a key of a table "
                         "(e.g. sampling.height=64); the value is parsed as JSON when it can be")
+    t.add_argument("--dtype", metavar="DTYPE",
+                   help="the loaded models' dtype: float32, bfloat16, float16, or per kind "
+                        "(dit=bfloat16,vae=float32); overrides the config's dtype. With [optim] "
+                        "mixed_precision = \"bf16\" the trained weights stay float32 masters")
     t.add_argument("--nproc", type=int, metavar="N",
                    help="data-parallel training on N ranks of this machine (torchrun: gloo on CPU, "
                         "nccl on GPU, one GPU per rank); rank 0 writes metrics and checkpoints")
@@ -98,9 +102,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         _set_override(config, override)
     if args.output_dir:
         config["output_dir"] = args.output_dir
+    if args.dtype:
+        config["dtype"] = args.dtype
     if args.nproc is not None and args.nproc < 1:
         raise InvalidInputError(f"--nproc={args.nproc} must be >= 1")
-    launcher = args.nproc is not None and args.nproc > 1 and "WORLD_SIZE" not in os.environ
+    from ..parallel import is_rank_of
+
+    launcher = args.nproc is not None and args.nproc > 1 and not is_rank_of(args.nproc)
     if launcher:  # not yet a rank
         check = getattr(method, "check_world_size", None)
         if check is not None:
@@ -115,6 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv = ["train", "--method", args.method, "--config", args.config]
         argv += [a for s in args.set or [] for a in ("--set", s)]
         argv += ["--output-dir", config["output_dir"]]
+        argv += ["--dtype", args.dtype] if args.dtype else []
         return launch(argv, args.nproc)
     summary = method(config).run(progress=True)
     if int(os.environ.get("RANK", "0")) != 0:

@@ -87,6 +87,7 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
     with component_faults(model, ENCODERS, "encoding the prompt"):
         cond = model.encode(request, params)
     check_finite(model, ("text_encoder",), cond.prompt_embeds, "returned non-finite prompt embeddings")
+    model.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
     t_encoded = time.perf_counter()
 
     # 3. Prepare the whole video's initial noise (drawn at once, as Self-Forcing does), the

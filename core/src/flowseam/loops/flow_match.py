@@ -65,6 +65,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     with component_faults(model, ENCODERS, "encoding the prompt"):
         cond = model.encode(request, params)
     check_finite(model, ENCODERS, cond.prompt_embeds, "returned non-finite prompt embeddings")
+    model.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
     t_encoded = time.perf_counter()
 
     # 3. Prepare latents, then the sigma schedule (it may depend on the latent size): the

@@ -76,6 +76,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     # 2. Encode the prompt: Gemma hidden states → text connectors → video and audio embeddings.
     with component_faults(model, ENCODERS, "encoding the prompt"):
         cond = model.encode(request, params)
+    model.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
     t_encoded = time.perf_counter()
 
     # 3. Stage 1: video and audio noise at the base resolution, then the stage's sigmas.

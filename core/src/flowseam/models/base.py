@@ -179,6 +179,12 @@ class ModelInstance:
         self.parallel = None
         self._parallel_modules: set[int] = set()
         self._split_hooks: set[Any] = set()
+        #: name → (kind, ComponentSpec) of every built component (:func:`flowseam.load`), to
+        #: build a released one again
+        self.component_specs: dict[str, tuple[str, Any]] = {}
+        #: ``flowseam.load``'s memory options (:class:`flowseam.memory.MemoryOptions`)
+        self.memory: Any = None
+        self._execution_device: torch.device | None = None
 
     def provenance(self, solver: bool = True) -> str:
         """One line: where each component (device/plugin, dtype) and each kernel (its
@@ -349,6 +355,10 @@ class ModelInstance:
         return self.components[self.DIT]
 
     def component_device(self, name: str) -> torch.device:
+        """Where component ``name`` runs: its parameters' device, or with ``offload="model"``
+        the accelerator every component is moved to for its forward."""
+        if self._execution_device is not None:
+            return self._execution_device
         module = self.components[name]
         try:
             return next(module.parameters()).device
@@ -413,13 +423,63 @@ class ModelInstance:
         for expert in self.experts.values():
             route_attention(expert, attention)
 
+    # -- memory (flowseam.memory) ---------------------------------------------------------------
+    #: the order a request runs the kinds in (offload="model" chains its hooks in it)
+    RUN_ORDER: ClassVar[tuple[str, ...]] = ("text_encoder", "image_encoder", "text_connectors",
+                                            "dit", "latent_upsampler", "vae", "audio_vae",
+                                            "vocoder")
+
+    def configure_memory(self, memory: Any) -> None:
+        """Apply :func:`flowseam.load`'s memory options (:mod:`flowseam.memory`) to the built
+        components: VAE tiling and slicing, and for ``offload="model"`` the offload hooks.
+        ``offload="text_encoder"`` acts after each encoding (:meth:`release_encoders`)."""
+        from ..memory import Components, MemoryOptions, offload_model
+
+        self.memory = memory if memory is not None else MemoryOptions()
+        self.components = Components(self.components)
+        if self.memory.vae_tiling:
+            self.components["vae"].enable_tiling(**self.memory.tiling_args)
+        if self.memory.vae_slicing:
+            self.components["vae"].enable_slicing()
+        if self.memory.offload == "model":
+            device = next(m.parameters()).device if (m := self.dit) is not None else None
+            order = [name for kind in self.RUN_ORDER
+                     for name, (k, _) in self.component_specs.items()
+                     if k == kind and isinstance(self.components[name], torch.nn.Module)]
+            offload_model([self.components[n] for n in order], device)
+            self._execution_device = device
+
+    def memory_advice(self, kinds: tuple[str, ...]) -> str:
+        """What lowers the memory a component of ``kinds`` needs (:func:`flowseam.memory.advice`;
+        the loops name it when a component runs out of memory)."""
+        from ..memory import MemoryOptions, advice
+
+        dtypes = {kind: spec.dtype for kind, spec in self.component_specs.values() if spec.dtype}
+        return advice(kinds, self.memory or MemoryOptions(), dtypes)
+
+    def release_encoders(self) -> None:
+        """With ``offload="text_encoder"``, free the text encoders once a request's prompts are
+        encoded (the loops call it after encoding); a prompt the cache misses later builds them
+        again through the platform, as :func:`flowseam.load` did."""
+        if self.memory is None or self.memory.offload != "text_encoder":
+            return
+        import gc
+
+        for name, (kind, spec) in self.component_specs.items():
+            if kind == "text_encoder" and not self.components.is_released(name):
+                self.components.release(name, lambda kind=kind, spec=spec:
+                                        self.platform.build_component(kind, spec))
+        gc.collect()
+
     # -- one generation over several processes ----------------------------------------------
     @classmethod
     def check_parallel_layout(cls, parallel: "Parallel", heads: Mapping[str, int],
-                              name: str) -> None:
+                              name: str, any_heads: bool = False) -> None:
         """Refuse a :class:`~flowseam.parallel.Parallel` layout this card cannot run, naming the
         numbers — from the DiT experts' ``config.json`` (``heads``: expert name → attention
-        heads), so :func:`flowseam.load` refuses it before any weights load.
+        heads), so :func:`flowseam.load` refuses it before any weights load. ``any_heads``: the
+        platform's ``sequence_parallel_attention`` takes heads ``sp`` does not divide
+        (:func:`flowseam.parallel.takes_any_heads`).
 
         :raises InvalidInputError: a loop that cannot be split, heads that ``sp`` does not
             divide, or ``cfg`` on a model with no unconditional branch.
@@ -431,7 +491,8 @@ class ModelInstance:
             from ..parallel import check_split
 
             for expert, n in heads.items():
-                check_split(parallel, heads=int(n), tokens=0, model=f"{name}'s {expert}")
+                check_split(parallel, heads=int(n), tokens=0, model=f"{name}'s {expert}",
+                            any_heads=any_heads)
         if parallel.cfg and not cls.HAS_CFG_BRANCHES:
             raise InvalidInputError(f"--cfg-parallel: {name} has no unconditional "
                                     f"branch to run on other ranks ({cls.NO_CFG_REASON})")
@@ -457,8 +518,11 @@ class ModelInstance:
         from ..attention import route_attention
         from ..parallel import ParallelGroups
 
+        from ..parallel import takes_any_heads
+
         self.check_parallel_layout(parallel, {n: e.config.num_attention_heads
-                                              for n, e in self.experts.items()}, self.card.name)
+                                              for n, e in self.experts.items()}, self.card.name,
+                                   takes_any_heads(self.platform))
         groups = ParallelGroups.create(parallel)
         if parallel.sp > 1:
             local = self.platform.kernels.get(ops.ATTENTION)
@@ -479,17 +543,18 @@ class ModelInstance:
         self._parallel_modules = {id(e) for e in self.experts.values()}
         self.parallel = groups
 
-    def unsplit_copy(self, module: torch.nn.Module) -> torch.nn.Module:
+    def unsplit_copy(self, module: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
         """``copy.deepcopy(module)`` (one of this model's components), running on one rank: a
         split DiT's copy loses the split hooks and attends with the platform's ``attention``
         (a trainer's policy and reference copies: an update runs each sample's whole sequence
-        on one rank). For a model that is not split, the deepcopy itself."""
+        on one rank). For a model that is not split, the deepcopy itself. ``memo``: deepcopy's
+        (tensors mapped to themselves are shared, not copied)."""
         import copy
 
         from .. import ops
         from ..attention import route_attention
 
-        clone = copy.deepcopy(module)
+        clone = copy.deepcopy(module, memo)
         if id(module) in self._parallel_modules:
             from ..parallel import SequenceSplit
 
@@ -510,12 +575,16 @@ class ModelInstance:
         """
         if self.parallel is None:
             return
+        from ..parallel import takes_any_heads
+
         configs = {name: self.components[name].config for name in (self.DIT, "vae")}
-        self.check_parallel_request(self.parallel.parallel, params, configs, self.card.name)
+        self.check_parallel_request(self.parallel.parallel, params, configs, self.card.name,
+                                    takes_any_heads(self.platform))
 
     @classmethod
     def check_parallel_request(cls, parallel: "Parallel", params: DiffusionParams,
-                               configs: Mapping[str, Mapping[str, Any]], name: str) -> None:
+                               configs: Mapping[str, Mapping[str, Any]], name: str,
+                               any_heads: bool = False) -> None:
         """Refuse a request (``params`` with the defaults filled) that ``parallel`` cannot split:
         tokens after patching (and text tokens that join the self-attention) that ``sp`` does
         not divide, step caching (its decisions would differ per rank), CFG parallelism without
@@ -529,7 +598,7 @@ class ModelInstance:
         if parallel.sp > 1:
             tokens, text_tokens = cls.sequence_tokens(params, configs)
             check_split(parallel, heads=int(configs[cls.DIT]["num_attention_heads"]),
-                        tokens=tokens, text_tokens=text_tokens, model=name)
+                        tokens=tokens, text_tokens=text_tokens, model=name, any_heads=any_heads)
         if params.cache is not None:
             raise InvalidInputError(
                 f"cache={params.cache}: step caching decides per rank from local tokens; it is "

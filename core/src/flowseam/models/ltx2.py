@@ -577,6 +577,14 @@ def _guided(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, scale: float,
 class LTX2I2V(LTX2T2V):
     """LTX-2 image-to-video with audio: the image becomes the clean first latent frame."""
 
+    def configure_memory(self, memory) -> None:
+        # the image conditioning's CRF follows the text encoder's generation (diffusers'
+        # resolve_default_image_crf): read while it is loaded, as offload may free it
+        from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
+
+        self.image_crf = resolve_default_image_crf(self.components["text_encoder"])
+        super().configure_memory(memory)
+
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
         from .wan import load_image
 
@@ -600,7 +608,8 @@ class LTX2I2V(LTX2T2V):
 
         height, width = self.stage_size(params, 1)
         image = cond.extra["image"]
-        crf = resolve_default_image_crf(self.components["text_encoder"])
+        crf = getattr(self, "image_crf", None) or resolve_default_image_crf(
+            self.components["text_encoder"])
         if crf:
             image = Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
         processor = VideoProcessor(vae_scale_factor=self.vae_spatial, resample="bilinear")

@@ -122,16 +122,22 @@ class WanT2V(ModelInstance):
                                           dtype=self.component_dtype(self.DIT))
 
     def _encode_one(self, prompt: str, max_len: int) -> torch.Tensor:
+        """``(1, max_len, D)``: the T5 states of the prompt's tokens, zeros after them (diffusers'
+        ``_get_t5_prompt_embeds``). Only the prompt's own tokens run through the encoder: with
+        the attention mask a token never attends to padding, and the padding's states are
+        zeroed, so encoding the padding (up to 512 positions for a few words) changes nothing
+        but the cost."""
         tokenizer, encoder = self.components["tokenizer"], self.components["text_encoder"]
         tok = tokenizer([clean_prompt(prompt)], padding="max_length", max_length=max_len,
                         truncation=True, add_special_tokens=True, return_attention_mask=True,
                         return_tensors="pt")
+        keep = tok.attention_mask[0].bool()  # the prompt's tokens (the tokenizer pads after them)
         device = self.component_device("text_encoder")
         with torch.no_grad():
-            hidden = encoder(tok.input_ids.to(device), tok.attention_mask.to(device)).last_hidden_state
-        length = int(tok.attention_mask.sum())
-        out = torch.zeros_like(hidden)
-        out[:, :length] = hidden[:, :length]
+            hidden = encoder(tok.input_ids[:, keep].to(device),
+                             tok.attention_mask[:, keep].to(device)).last_hidden_state
+        out = hidden.new_zeros(1, max_len, hidden.shape[-1])
+        out[:, keep.to(out.device)] = hidden
         return out
 
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:

@@ -134,7 +134,9 @@ corrector=True) -> UniPCStepOutput(sample, state)``
     full-sequence part with it; a fused one (ring attention, Liu et al. 2023) may ignore it. No
     mask (the split DiTs' self-attention has none). Every rank of ``group`` calls it with the same
     shapes (a collective). ``heads`` must be a multiple of ``N`` for an all-to-all
-    implementation, which raises ``ValueError`` naming both otherwise. Forward only: a tensor
+    implementation, which raises ``ValueError`` naming both otherwise; an implementation that
+    runs any number of heads (ring attention) says so with the function attribute
+    ``any_heads = True``, and flowseam then does not refuse such a split before loading. Forward only: a tensor
     that requires grad is refused (flowseam splits generation and rollouts; a training update
     runs each sample's full sequence on one rank).
 

@@ -15,9 +15,13 @@ sent.
 * **Cancellation** and **server stop** end a run at a step boundary on every rank: the loop's
   step callback is agreed between the ranks (:meth:`flowseam.parallel.ParallelGroups.agreed`);
   a follower takes the :class:`~flowseam.parallel.ParallelStopError` and waits for the next run.
-* **Bad input** is checked on rank 0 before anything is sent; a flowseam error that still
-  arises in a run (a request the split cannot divide) arises on every rank alike: rank 0 fails
-  the job, the followers go on.
+* **Bad input** is checked on rank 0 before anything is sent; bad input that still arises in a
+  run (a request the split cannot divide) arises on every rank alike, before any rank
+  communicates: rank 0 fails the job, the followers go on.
+* **Any other failure** (a plugin fault, running out of memory) may strike one rank only, in
+  the middle of the DiT's collectives, where the others wait for it: no request can run after
+  it. The rank it struck stops the server (rank 0: the server shuts down and exits non-zero; a
+  follower: it exits), and torchrun stops the rest.
 * **Idle**: a collective waits at most the process group's timeout (30 minutes for gloo), so
   while no request comes the relay sends a keep-alive every :data:`KEEPALIVE_S` seconds.
 * **A rank that dies** ends the server: torchrun stops every rank (``flowseam serve`` exits
@@ -36,6 +40,7 @@ import numpy as np
 import torch
 
 from ..errors import FlowseamError
+from ..parallel import agreed_stop
 from ..request import DiffusionParams, GenerationRequest, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,6 +61,10 @@ class RankRelay:
 
     def __init__(self, models: dict[str, "ModelInstance"]) -> None:
         self._ids = {id(model): name for name, model in models.items()}
+        #: why the ranks cannot run another request (a run failed on this rank alone), or None
+        self.broken: str | None = None
+        #: called once when :attr:`broken` is set (``flowseam serve``: stop uvicorn)
+        self.on_broken: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, name="flowseam-ranks",
@@ -68,17 +77,27 @@ class RankRelay:
         from ..loops import run_loop
 
         with self._lock:
-            if self._closed.is_set():
-                raise FlowseamError("the ranks of this server have stopped")
+            if self.broken or self._closed.is_set():
+                raise FlowseamError("the ranks of this server have stopped"
+                                    + (f" ({self.broken})" if self.broken else ""))
             message, blobs = encode_request(request)
             send({"op": "run", "model": self._ids[id(model)], "request": message}, blobs)
-            return run_loop(model, request, **kwargs)
+            try:
+                return run_loop(model, request, **kwargs)
+            except BaseException as exc:
+                if not agreed_stop(exc):  # the other ranks may be waiting mid-run: stop
+                    self.broken = f"a run failed on rank 0 only: {type(exc).__name__}: {exc}"
+                    log.error("%s; the other ranks cannot go on: stopping the server",
+                              self.broken)
+                    self._closed.set()
+                    self.on_broken()  # the server shuts down, and exits 1
+                raise
 
     def close(self) -> None:
         """Tell the other ranks to exit (after the run in progress, if any). Ranks that have
         already gone (a Ctrl-C reaches every rank at once) are not waited for."""
         with self._lock:
-            if not self._closed.is_set():
+            if not self._closed.is_set() and not self.broken:
                 self._closed.set()
                 try:
                     send({"op": "stop"})
@@ -100,8 +119,8 @@ def follow(models: dict[str, "ModelInstance"],
     """A rank above 0: run every request rank 0's :class:`RankRelay` sends, until it says stop.
 
     :returns: 0 after rank 0's stop.
-    :raises Exception: anything but a flowseam error from a run (this rank then exits, and
-        torchrun stops the others).
+    :raises Exception: what a run raised on this rank alone (not bad input, not a stop every
+        rank agreed on): this rank then exits, and torchrun stops the others.
     """
     if run is None:
         from ..loops import run_loop as run
@@ -114,8 +133,10 @@ def follow(models: dict[str, "ModelInstance"],
         request = decode_request(message["request"], blobs)
         try:
             run(models[message["model"]], request, decode=False)
-        except FlowseamError as exc:  # rank 0 met the same, and answers the client
-            log.info("run on this rank ended: %s", exc)
+        except Exception as exc:
+            if not agreed_stop(exc):  # this rank alone: the others may wait for it mid-run
+                raise
+            log.info("run on this rank ended: %s", exc)  # rank 0 met it too, and answers
 
 
 # -- the wire: JSON and raw arrays over torch.distributed.broadcast ---------------------------

@@ -46,6 +46,9 @@ class ServeOptions:
     nproc: int | None = None
     sp: int | None = None
     cfg_parallel: bool = False
+    #: ``--dtype``, ``--offload``, ``--vae-tiling``, ``--vae-slicing``: :func:`flowseam.load`'s
+    #: ``dtype``, ``offload``, ``vae_tiling``, ``vae_slicing`` for every model
+    load_options: dict = field(default_factory=dict)
 
 
 def model_id(path: str) -> str:
@@ -201,10 +204,11 @@ def check_parallel_options(opts: ServeOptions) -> "Parallel | None":
     parallel = parallel_from_options(opts.nproc, opts.sp, opts.cfg_parallel)
     if parallel is None:
         return None
-    check_ranks(parallel)
-    for path in opts.models:  # the card's defaults must split; a request may choose others
+    platforms = _platforms(opts)
+    check_ranks(parallel, platforms[0])
+    for path, platform in zip(opts.models, platforms):  # the defaults must split
         try:
-            check_parallel_checkpoint(path, parallel, DiffusionParams())
+            check_parallel_checkpoint(path, parallel, DiffusionParams(), platform)
         except InvalidInputError as exc:
             raise InvalidInputError(f"--model {path}: {exc}") from None
     return parallel
@@ -221,14 +225,15 @@ def run(opts: ServeOptions, argv: list[str] | None = None) -> int:
     import uvicorn
 
     from ..console import quiet_libraries
-    from ..parallel import launch
+    from ..parallel import is_rank_of, launch
     from ..workflows import WORKFLOWS
     from .api_server import build_app
     from .engine import Engine
 
     ids = check_options(opts)
     parallel = check_parallel_options(opts)
-    if parallel is not None and "WORLD_SIZE" not in os.environ:  # not yet a rank
+    _check_load_options(opts)
+    if parallel is not None and not is_rank_of(parallel.world_size):  # not yet a rank
         if opts.port:
             bind(opts.host, opts.port).close()  # a port in use fails here, before the ranks
         return launch(list(argv or ()), parallel.world_size)
@@ -265,6 +270,8 @@ def run(opts: ServeOptions, argv: list[str] | None = None) -> int:
         logging.getLogger("flowseam.serve").setLevel(opts.log_level.upper())
         config = uvicorn.Config(app, log_level=opts.log_level, timeout_graceful_shutdown=10)
         server = uvicorn.Server(config)
+        if relay is not None:  # a run that failed on rank 0 alone stops the server
+            relay.on_broken = lambda: setattr(server, "should_exit", True)
         shown = f"[{host}]" if ":" in host else host
         print(f"flowseam serve: listening on http://{shown}:{port} | models: "
               + ", ".join(m.id for m in engine.served()), flush=True)
@@ -278,7 +285,31 @@ def run(opts: ServeOptions, argv: list[str] | None = None) -> int:
         sock.close()
         if relay is not None:
             relay.close()
+    if relay is not None and relay.broken:
+        print(f"flowseam serve: stopped: {relay.broken}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _platforms(opts: ServeOptions) -> list:
+    """The platform of each ``--model``, in order (its ``--backend``, else the detected one)."""
+    from ..platform import Platform
+
+    backends = opts.backends or [None]
+    return [Platform(b) if b else Platform.detect()
+            for b in (backends[min(i, len(backends) - 1)] for i in range(len(opts.models)))]
+
+
+def _check_load_options(opts: ServeOptions) -> None:
+    """``--dtype`` and the memory options against every model and its backend, before any
+    weights load (:func:`flowseam.loading.check_load_options`)."""
+    from ..loading import check_load_options
+
+    for path, platform in zip(opts.models, _platforms(opts)):
+        try:
+            check_load_options(path, platform, **opts.load_options)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"--model {path}: {exc}") from None
 
 
 def _load_models(opts: ServeOptions, ids: list[str], parallel: "Parallel | None") -> dict:
@@ -287,16 +318,11 @@ def _load_models(opts: ServeOptions, ids: list[str], parallel: "Parallel | None"
     import os
 
     from ..loading import load
-    from ..platform import Platform
 
     quiet = int(os.environ.get("RANK", "0")) != 0
-    backends = opts.backends or [None]
-    models = {}
-    for i, (name, path) in enumerate(zip(ids, opts.models)):
-        backend = backends[min(i, len(backends) - 1)]
-        models[name] = load(path, platform=Platform(backend) if backend else Platform.detect(),
-                            parallel=parallel, quiet=quiet)
-    return models
+    return {name: load(path, platform=platform, parallel=parallel, quiet=quiet,
+                       **opts.load_options)
+            for name, path, platform in zip(ids, opts.models, _platforms(opts))}
 
 
 def _follow(opts: ServeOptions, ids: list[str], parallel: "Parallel") -> int:

@@ -56,15 +56,25 @@ class Stage:
     @classmethod
     def create(cls, name: str, model: ModelInstance, optim: dict[str, Any], lora: dict[str, Any],
                with_reference: bool, dp: DataParallel | None = None,
-               component: str | None = None) -> "Stage":
+               component: str | None = None, gradient_checkpointing: bool = False) -> "Stage":
         """The stage that trains ``model.components[component]``: by default the model's one DiT
         (``model.DIT``); ``component`` names another one — one DiT expert of a multi-expert model
         (``joint_multi_rl``), or the LM of a :class:`~flowseam.refiner.PromptRefiner` (anything
         with ``components``, ``versions`` and ``bump_version``).
 
+        :param gradient_checkpointing: the trainer's copy recomputes each block's activations
+            in the backward (diffusers' ``enable_gradient_checkpointing``).
+
+        Memory: with LoRA (``lora["rank"] > 0``, not FSDP) the trainer's and the reference's
+        copies share the frozen base weights with the rollout model (only the adapters are
+        copied; the base never changes), so a LoRA run holds one copy of the DiT, not three.
+        With ``optim["mixed_precision"]`` (``"bf16"``, ``"fp16"``) the trained weights are
+        float32 master weights and the trainer's forward runs under ``torch.autocast``.
+
         :raises FlowseamError: with no ``component``, for a model with several DiT experts
             (Wan2.2): a stage trains one DiT, and training only the first expert while the other
-            one rolls out half of every trajectory would credit it for steps it did not produce.
+            one rolls out half of every trajectory would credit it for steps it did not produce;
+            ``gradient_checkpointing`` for a module without it.
         """
         dp = dp or DataParallel.single()
         if component is None:
@@ -79,7 +89,14 @@ class Stage:
         if lora["rank"]:
             _add_lora(module, lora)  # the rollout copy gets the same adapters (zero-initialised)
         # a model split over ranks (flowseam.parallel) copies its DiT without the split
-        clone = model.unsplit_copy if isinstance(model, ModelInstance) else copy.deepcopy
+        copy_of = model.unsplit_copy if isinstance(model, ModelInstance) else copy.deepcopy
+        shared = {} if not lora["rank"] or dp.fsdp else {
+            id(t): t for n, t in [*module.named_parameters(), *module.named_buffers()]
+            if "lora_" not in n}  # the frozen base: the same tensors in every copy
+
+        def clone(m: torch.nn.Module) -> torch.nn.Module:
+            return copy_of(m, memo=dict(shared))
+
         policy = clone(module)
         reference = clone(module).requires_grad_(False) if with_reference else None
         if lora["rank"]:
@@ -87,6 +104,17 @@ class Stage:
                 p.requires_grad_("lora_" in n)
         else:
             policy.requires_grad_(True)
+        precision = optim.get("mixed_precision", "no")
+        if precision != "no":  # float32 master weights, the forward under autocast
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+            policy.forward = _autocast(policy.forward, precision)
+        if gradient_checkpointing:
+            if not hasattr(policy, "enable_gradient_checkpointing"):
+                raise FlowseamError(f"gradient_checkpointing: {type(policy).__name__} has no "
+                                    "enable_gradient_checkpointing()")
+            policy.enable_gradient_checkpointing()
         trainer = dp.wrap(policy)  # before the optimizer: FSDP2 replaces the parameters
         if reference is not None and dp.fsdp:
             reference = dp.wrap(reference)
@@ -98,6 +126,22 @@ class Stage:
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.policy.named_parameters() if p.requires_grad}
+
+
+def _autocast(forward: Any, precision: str) -> Any:
+    """``forward`` run under ``torch.autocast`` in ``precision`` (``"bf16"``, ``"fp16"``) on
+    its module's device type."""
+    import functools
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        device = next(forward.__self__.parameters()).device.type
+        with torch.autocast(device, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _add_lora(module: torch.nn.Module, lora: dict[str, Any]) -> None:

@@ -118,14 +118,32 @@ StepWindow = Annotated[list[NonNegativeInt], Field(min_length=2, max_length=2),
                        BeforeValidator(tuple_to_list)]
 
 
+#: ``[optim] mixed_precision``: ``"no"``, or the autocast dtype of the trainer's forward and
+#: backward over float32 master weights (accelerate's ``mixed_precision``)
+MixedPrecision = typing.Literal["no", "bf16", "fp16"]
+
+
+def _dtype_request(value: Any) -> Any:
+    """A config's ``dtype`` (a name, ``"KIND=DTYPE,..."`` or a table), checked as
+    :func:`flowseam.dtypes.parse_dtypes` checks it; kept as given."""
+    from ..dtypes import parse_dtypes
+
+    parse_dtypes(value)
+    return value
+
+
 class OptimSection(ConfigSection):
-    """``[optim]``: AdamW's hyper-parameters (``torch.optim.AdamW``)."""
+    """``[optim]``: AdamW's hyper-parameters (``torch.optim.AdamW``), and ``mixed_precision``:
+    ``"bf16"`` (or ``"fp16"``) keeps the trainer's copy of the trained weights in float32 (the
+    master weights AdamW updates) and runs its forward and backward under ``torch.autocast`` in
+    that dtype; ``"no"``: the trainer's copy is in the rollout model's dtype."""
 
     lr: PositiveFloat = 1e-4
     weight_decay: NonNegativeFloat = 1e-4
     beta1: Beta = 0.9
     beta2: Beta = 0.999
     adam_eps: PositiveFloat = 1e-8
+    mixed_precision: MixedPrecision = "no"
 
 
 class OptimOverrides(ConfigSection):
@@ -136,6 +154,7 @@ class OptimOverrides(ConfigSection):
     beta1: Beta | None = None
     beta2: Beta | None = None
     adam_eps: PositiveFloat | None = None
+    mixed_precision: MixedPrecision | None = None
 
 
 class LoraSection(ConfigSection):
@@ -231,6 +250,12 @@ class RunConfig(ConfigSection):
     seed: NonNegativeInt = 0
     output_dir: Name | None = None
     checkpoint_every: NonNegativeInt = 0
+    #: the loaded models' component dtypes (flowseam.load's ``dtype``; ``flowseam train
+    #: --dtype``): ``"bfloat16"``, ``"dit=bfloat16,vae=float32"`` or a table; None: the backend's
+    dtype: Annotated[str | dict[str, str] | None, pydantic.AfterValidator(_dtype_request)] = None
+    #: recompute each DiT block's activations in the backward instead of keeping them
+    #: (diffusers' ``enable_gradient_checkpointing`` on the trainer's copy)
+    gradient_checkpointing: bool = False
     logging: LoggingSection = LoggingSection()
 
     @pydantic.field_validator("logging")

@@ -212,11 +212,12 @@ class Finetune:
             if not cfg["model"]:
                 raise FlowseamError("config needs model = <checkpoint directory>")
             model = load(cfg["model"], platform=self.dp.platform(
-                lambda: Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()))
+                lambda: Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()),
+                dtype=cfg["dtype"])
             self.check_loop(model)
         self.model = model
         self.stage = Stage.create("dit", model, self.optim, cfg["lora"], with_reference=False,
-                                  dp=self.dp)
+                                  dp=self.dp, gradient_checkpointing=cfg["gradient_checkpointing"])
         self.step = 0
         self.progress = True
         self.examples: list[Example] | None = None  # filled by prepare()

@@ -28,6 +28,9 @@ Config (TOML/YAML or dict)::
                                        # pytorch_lora_weights.safetensors (optional: without
                                        # it the run trains in memory only)
     checkpoint_every = 10              # 0: only the final checkpoint
+    dtype = "bfloat16"                 # the model's components (flowseam.load's dtype; per
+                                       # kind "dit=bfloat16,vae=float32"); default the backend's
+    gradient_checkpointing = false     # recompute the DiT blocks' activations in the backward
     [distributed] fsdp = false         # with --nproc N / torchrun: shard the trainer (FSDP2)
                                        # instead of replicating it (DDP); see below
     [parallel]  sp = 1; cfg = false    # split every rollout over the ranks (see below)
@@ -42,7 +45,8 @@ Config (TOML/YAML or dict)::
                 and step); for LTX-2 frame_rate, audio_guidance_scale, stages,
                 refine_sigmas, refine_guidance_scale (records of both stages)
     [grpo]      clip_range, adv_clip_max, beta, inner_epochs, timestep_fraction, max_grad_norm, eps
-    [optim]     lr, weight_decay, beta1, beta2, adam_eps
+    [optim]     lr, weight_decay, beta1, beta2, adam_eps, mixed_precision ("no", "bf16", "fp16":
+                float32 master weights, the update's forward under autocast; docs/memory.md)
     [lora]      rank (0 = full fine-tune), alpha, target_modules
 
 Data parallelism (``flowseam train --nproc N`` or under ``torchrun``): each rank rolls out its
@@ -245,7 +249,8 @@ class FlowGRPO:
                 raise FlowseamError("config needs model = <checkpoint directory>")
             platform = self.dp.platform(
                 lambda: Platform(cfg["backend"]) if cfg["backend"] else Platform.detect())
-            model = load(cfg["model"], platform=platform, parallel=self.parallel)
+            model = load(cfg["model"], platform=platform, parallel=self.parallel,
+                         dtype=cfg["dtype"])
         elif self.parallel is not None and model.parallel is None:
             raise FlowseamError("[parallel] splits the rollouts of the model this run loads; the "
                                 "model passed in was loaded without parallel= (flowseam.load)")
@@ -255,6 +260,7 @@ class FlowGRPO:
         check_sampling_against(model, self.sampling, "sampling")
         self.model = model
         self.stage = Stage.create("dit", model, optim, lora, with_reference=self.grpo.beta > 0,
+                                  gradient_checkpointing=cfg["gradient_checkpointing"],
                                   dp=self.dp)
         self.fleet = fleet_from_config(model, ray_options, lora, self.reward)
         if self.fleet is not None:  # the fleet receives every weights version from now on

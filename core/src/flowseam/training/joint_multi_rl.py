@@ -207,7 +207,7 @@ class JointMultiRL(FlowGRPO):
         self.settings = expert_settings(cfg, experts, optim, lora)
         if model is None:
             model = load(cfg["model"], platform=Platform(cfg["backend"]) if cfg["backend"]
-                         else Platform.detect())
+                         else Platform.detect(), dtype=cfg["dtype"])
         if TaskType.I2V in model.card.tasks:
             raise FlowseamError(f"joint_multi_rl trains text-conditioned models; {model.card.name} "
                                 "needs an image per prompt")
@@ -216,7 +216,8 @@ class JointMultiRL(FlowGRPO):
         self.shard = self.dp.shard_groups(cfg["prompts_per_step"], cfg["group_size"])
         self.fleet = None
         self.stages = [Stage.create(name, model, s["optim"], s["lora"], with_reference=self.grpo.beta > 0,
-                                    component=name)
+                                    component=name,
+                                    gradient_checkpointing=cfg["gradient_checkpointing"])
                        for name, s in self.settings.items() if not s["freeze"]]
         self.files = RunFiles(Path(cfg["output_dir"]) if cfg["output_dir"] else None,
                               cfg["checkpoint_every"], method=self.name, config=cfg)

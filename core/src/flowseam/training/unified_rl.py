@@ -165,9 +165,11 @@ class Generator:
     t2i → i2v workflow (stages ``t2i`` and ``i2v``), with one :class:`Stage` per DiT."""
 
     def __init__(self, models: dict[str, ModelInstance], sampling: dict[str, dict[str, Any]],
-                 optims: dict[str, dict[str, Any]], lora: dict[str, Any], grpo: GRPOConfig) -> None:
+                 optims: dict[str, dict[str, Any]], lora: dict[str, Any], grpo: GRPOConfig,
+                 gradient_checkpointing: bool = False) -> None:
         self.models, self.sampling = models, sampling
-        self.stages = [Stage.create(name, model, optims[name], lora, with_reference=grpo.beta > 0)
+        self.stages = [Stage.create(name, model, optims[name], lora, with_reference=grpo.beta > 0,
+                                    gradient_checkpointing=gradient_checkpointing)
                        for name, model in models.items()]
 
     @property
@@ -274,14 +276,14 @@ class UnifiedRL:
         if refiner is None or (single and model is None) or (workflow and (t2i is None or i2v is None)):
             platform = Platform(cfg["backend"]) if cfg["backend"] else Platform.detect()
         if single:
-            model = model or _load(cfg["model"], "model", platform)
+            model = model or _load(cfg["model"], "model", platform, cfg["dtype"])
             if TaskType.I2V in model.card.tasks:
                 raise FlowseamError(f"model: {model.card.name} needs an image per prompt; for "
                                     "image-to-video give the t2i-i2v workflow (t2i_model + i2v_model)")
             models = {"dit": model}
         else:
-            t2i = t2i or _load(cfg["t2i_model"], "t2i_model", platform)
-            i2v = i2v or _load(cfg["i2v_model"], "i2v_model", platform)
+            t2i = t2i or _load(cfg["t2i_model"], "t2i_model", platform, cfg["dtype"])
+            i2v = i2v or _load(cfg["i2v_model"], "i2v_model", platform, cfg["dtype"])
             if TaskType.T2I not in t2i.card.tasks or TaskType.I2V not in i2v.card.tasks:
                 raise FlowseamError(f"the t2i-i2v workflow needs a text-to-image then an "
                                     f"image-to-video model; got {t2i.card.name} and {i2v.card.name}")
@@ -293,7 +295,8 @@ class UnifiedRL:
                                                              cfg["lm_sampling"]))
         self.refiner.sampling = self.lm_sampling  # what the saved LM samples with
 
-        self.generator = Generator(models, sampling, optims, lora, self.grpo)
+        self.generator = Generator(models, sampling, optims, lora, self.grpo,
+                                   cfg["gradient_checkpointing"])
         self.lm_stage = Stage.create("lm", self.refiner, lm_optim, validate_config(LoraSection, {}),
                                      with_reference=self.lm_grpo.beta > 0,
                                      component=PromptRefiner.COMPONENT)
@@ -479,10 +482,10 @@ def rewrite_stats(rollout, eos_token_id: int) -> dict[str, float]:
             "lm_eos_frac": float((last[:, 0].cpu() == eos_token_id).float().mean())}
 
 
-def _load(path: str | None, key: str, platform: Platform) -> ModelInstance:
+def _load(path: str | None, key: str, platform: Platform, dtype: Any = None) -> ModelInstance:
     if not path:
         raise FlowseamError(f"config needs {key} = <checkpoint directory>")
-    return load(path, platform=platform)
+    return load(path, platform=platform, dtype=dtype)
 
 
 @hookimpl

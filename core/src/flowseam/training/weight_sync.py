@@ -83,6 +83,8 @@ class WeightSyncPlan:
         dst = self.target.components[self.component]
         src_params = dict(self.source.named_parameters())
         for name, param in dst.named_parameters():
+            if src_params[name] is param:  # shared (a LoRA run's frozen base): nothing to copy
+                continue
             s = whole(src_params[name].detach()).to(param.device, param.dtype)
             if self.role is WeightRole.EMA and self.version > 0:
                 param.mul_(self.decay).add_(s, alpha=1.0 - self.decay)
@@ -90,7 +92,7 @@ class WeightSyncPlan:
                 param.copy_(s)
         src_buffers = dict(self.source.named_buffers())
         for name, buf in dst.named_buffers():
-            if name in src_buffers:
+            if name in src_buffers and src_buffers[name] is not buf:
                 buf.copy_(src_buffers[name].to(buf.device, buf.dtype))
         self.version += 1
         self.target.bump_version(self.component)

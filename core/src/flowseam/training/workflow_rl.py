@@ -100,10 +100,12 @@ class WorkflowRLConfig(GroupRLConfig):
     rollout_batch_size: PositiveInt | None = None
 
 
-def _load(path: str | None, backend: str | None, what: str, dp: DataParallel) -> ModelInstance:
+def _load(path: str | None, backend: str | None, what: str, dp: DataParallel,
+          dtype: Any = None) -> ModelInstance:
     if not path:
         raise FlowseamError(f"config needs {what}_model = <checkpoint directory>")
-    return load(path, platform=dp.platform(lambda: Platform(backend) if backend else Platform.detect()))
+    return load(path, platform=dp.platform(lambda: Platform(backend) if backend else Platform.detect()),
+                dtype=dtype)
 
 
 class WorkflowRL:
@@ -138,15 +140,16 @@ class WorkflowRL:
         # the reward is built (and its factories' checks run) before any model loads
         self.reward = as_reward(reward, cfg["reward_timeout"]) if reward is not None else \
             build_reward(cfg["reward"], cfg["reward_args"], cfg["reward_timeout"])
-        self.t2i = t2i or _load(cfg["t2i_model"], cfg["t2i_backend"], "t2i", self.dp)
-        self.i2v = i2v or _load(cfg["i2v_model"], cfg["i2v_backend"], "i2v", self.dp)
+        self.t2i = t2i or _load(cfg["t2i_model"], cfg["t2i_backend"], "t2i", self.dp, cfg["dtype"])
+        self.i2v = i2v or _load(cfg["i2v_model"], cfg["i2v_backend"], "i2v", self.dp, cfg["dtype"])
         if TaskType.T2I not in self.t2i.card.tasks or TaskType.I2V not in self.i2v.card.tasks:
             raise FlowseamError(f"workflow_rl needs a text-to-image then an image-to-video model; got "
                                 f"{self.t2i.card.name} and {self.i2v.card.name}")
         check_sampling_against(self.t2i, self.t2i_sampling, "t2i_sampling")
         check_sampling_against(self.i2v, self.i2v_sampling, "i2v_sampling")
         self.stages = [Stage.create(name, model, merge_overrides(cfg["optim"], cfg[f"{name}_optim"]),
-                                    cfg["lora"], with_reference=self.grpo.beta > 0, dp=self.dp)
+                                    cfg["lora"], with_reference=self.grpo.beta > 0, dp=self.dp,
+                                    gradient_checkpointing=cfg["gradient_checkpointing"])
                        for name, model in (("t2i", self.t2i), ("i2v", self.i2v))]
         self.step = 0
         self.progress = True

@@ -305,3 +305,8 @@ def _backend_for(group, device: torch.device) -> str:
         return name
     by_device = dict(part.split(":", 1) for part in name.split(","))
     return by_device.get(device.type, name)
+
+
+#: the op contract's word for a kernel that runs any number of heads over the ranks (flowseam
+#: then does not refuse a split whose heads ``sp`` does not divide)
+ring_attention.any_heads = True

@@ -72,6 +72,12 @@ def flowseam_component_kinds() -> tuple[str, ...]:
 
 
 @hookimpl
+def flowseam_component_dtypes() -> dict[str, tuple[str, ...]]:
+    # its compiled graphs are float32: a request for another dtype is refused before loading
+    return {"dit": ("float32",), "vae": ("float32",)}
+
+
+@hookimpl
 def flowseam_conformance_expectations() -> ConformanceExpectations:
     """accel's promise, stated apart from its declarations so that the conformance suite catches
     a change to either: dit and vae are built here; the text encoders and every other kind

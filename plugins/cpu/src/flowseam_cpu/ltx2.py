@@ -45,6 +45,8 @@ def speed_up_ltx2(kind: str, built: torch.nn.Module) -> torch.nn.Module:
     """``built`` (a component of ``kind``) with the speed-ups above when it is LTX-2's DiT, video
     VAE or latent upsampler; any other module is returned untouched. Returns ``built`` itself,
     changed in place."""
+    if "ltx2" not in type(built).__module__:  # not LTX-2's: no need to import its classes
+        return built
     from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
     from diffusers.models.activations import GELU
     from diffusers.pipelines.ltx2 import LTX2LatentUpsamplerModel

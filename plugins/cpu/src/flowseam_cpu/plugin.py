@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from flowseam import Availability, BackendInfo, ComponentSpec, KernelRegistration, hookimpl, ops
 from flowseam.components import instantiate
+from flowseam.dtypes import torch_dtype
 from flowseam.ops import eager as kernels  # the eager-torch implementation of every op contract
 
 from .ltx2 import speed_up_ltx2
@@ -13,7 +14,8 @@ from .wan_vae import speed_up_wan_vae
 
 @hookimpl
 def flowseam_backend() -> BackendInfo:
-    return BackendInfo(device="cpu", priority=0, description="torch on the CPU, float32")
+    return BackendInfo(device="cpu", priority=0,
+                       description="torch on the CPU, float32 (or the dtype asked for)")
 
 
 @hookimpl
@@ -45,12 +47,19 @@ def flowseam_component_kinds() -> tuple[str, ...]:
 
 
 @hookimpl
+def flowseam_component_dtypes() -> dict[str, tuple[str, ...]]:
+    return {"*": ("float32", "bfloat16", "float16")}
+
+
+@hookimpl
 def flowseam_build_component(kind: str, spec: ComponentSpec, device: str):
-    """Every kind, with its real class, in float32 on the CPU; a Wan VAE with its convolutions
-    on oneDNN and its RMS norms as sums of squares (:mod:`flowseam_cpu.wan_vae`); LTX-2's video
-    VAE and latent upsampler with their convolutions on oneDNN, its DiT's tanh-GELU as a sigmoid
-    (:mod:`flowseam_cpu.ltx2`)."""
-    built = instantiate(spec, device="cpu", dtype=torch.float32)
+    """Every kind, with its real class, on the CPU in float32, or in the dtype the spec asks for
+    (loaded in it: ``from_pretrained(torch_dtype=...)`` keeps the model's float32 modules); a Wan
+    VAE with its convolutions on oneDNN (float32) and its RMS norms as sums of squares
+    (:mod:`flowseam_cpu.wan_vae`); LTX-2's video VAE and latent upsampler with their
+    convolutions on oneDNN, its DiT's tanh-GELU as a sigmoid (:mod:`flowseam_cpu.ltx2`)."""
+    built = instantiate(spec, device="cpu",
+                        dtype=torch_dtype(spec.dtype) if spec.dtype else torch.float32)
     if kind == "vae":
         built = speed_up_wan_vae(built)
     return speed_up_ltx2(kind, built)

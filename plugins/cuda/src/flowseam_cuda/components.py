@@ -9,12 +9,13 @@ kind               dtype (``spec.dtype`` overrides)
 ``image_encoder``  float32
 =================  ==========================================================================
 
-Weights are loaded on the CPU in the checkpoint's dtype, cast, then moved to torch's current
-CUDA device (:func:`flowseam_cuda.device.torch_device`), so a checkpoint is never held on the GPU
-in float32 when it is run in bfloat16. The cast honours the model's ``_keep_in_fp32_modules``
-(diffusers' and transformers' list of numerically sensitive submodules, e.g. Wan's time
-embedder and norms), exactly as ``from_pretrained(torch_dtype=...)`` does; a plain
-``module.to(bfloat16)`` would cast those too.
+Weights are loaded on the CPU in the target dtype (``from_pretrained(torch_dtype=...)``: no
+float32 copy of a bf16 model is ever made, and the model's ``_keep_in_fp32_modules`` — diffusers'
+and transformers' list of numerically sensitive submodules, e.g. Wan's time embedder and norms —
+stay float32), then moved to torch's current CUDA device
+(:func:`flowseam_cuda.device.torch_device`). A component built from a config (no checkpoint) is
+cast by :func:`cast_keeping_fp32_modules`, the same rule; a plain ``module.to(bfloat16)`` would
+cast those modules too.
 
 Attention inside the models is not chosen here: flowseam routes each model's attention
 through the platform's ``attention`` op (flash-attn or fused SDPA on this backend, see
@@ -76,8 +77,11 @@ def build(kind: str, spec: ComponentSpec) -> torch.nn.Module | None:
     if kind not in DEFAULT_DTYPES:
         return None
     dtype = resolve_dtype(kind, spec)
-    module = instantiate(spec, device="cpu", dtype=None)  # the checkpoint's dtype, on the CPU
+    # loaded on the CPU in the target dtype (from_pretrained(torch_dtype=...): keep-in-float32
+    # modules stay float32, no float32 copy first), then moved to the GPU
+    module = instantiate(spec, device="cpu", dtype=dtype if spec.path is not None else None)
     if isinstance(module, torch.nn.Module):
-        cast_keeping_fp32_modules(module, dtype)
+        if spec.path is None:  # built from a config: cast as from_pretrained would have
+            cast_keeping_fp32_modules(module, dtype)
         module = module.to(torch_device())
     return module

@@ -66,6 +66,11 @@ def flowseam_component_kinds() -> tuple[str, ...]:
 
 
 @hookimpl
+def flowseam_component_dtypes() -> dict[str, tuple[str, ...]]:
+    return {kind: ("float32", "bfloat16", "float16") for kind in components.KINDS}
+
+
+@hookimpl
 def flowseam_build_component(kind: str, spec: ComponentSpec, device: str):
     """The real class on the GPU: dit in bfloat16, the others in float32, unless ``spec.dtype``
     says otherwise (see :mod:`flowseam_cuda.components`)."""
