@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
@@ -84,7 +85,6 @@ class RoutedAttnProcessor:
         a test checks with it that a compiled model's attention still goes through the seam)."""
         return self._mode.calls
 
-    @torch.compiler.disable  # eager between a compiled block's graphs (see the module docstring)
     def __call__(self, attn_module, *args, **kwargs):
         before = self._mode.calls
         with self._mode:
@@ -96,18 +96,28 @@ class RoutedAttnProcessor:
 
 
 @functools.cache
-def _routed_class(inner_cls: type) -> type:
-    """A :class:`RoutedAttnProcessor` subclass whose ``__call__`` signature is ``inner_cls``'s."""
+def _routed_class(inner_cls: type, compiling: bool) -> type:
+    """A :class:`RoutedAttnProcessor` subclass whose ``__call__`` signature is ``inner_cls``'s;
+    with ``compiling``, excluded from torch.compile's tracing (``torch.compiler.disable``: eager
+    between a compiled block's graphs, see the module docstring)."""
     def __call__(self, *args, **kwargs):
         return RoutedAttnProcessor.__call__(self, *args, **kwargs)
 
     __call__.__signature__ = inspect.signature(inner_cls.__call__)
+    if compiling:
+        __call__ = torch.compiler.disable(__call__)
     return type(f"Routed{inner_cls.__name__}", (RoutedAttnProcessor,), {"__call__": __call__})
 
 
 def routed_processor(inner: Any, attn: Callable) -> RoutedAttnProcessor:
-    """``inner`` (a diffusers attention processor) with its SDPA call sent to ``attn``."""
-    return _routed_class(type(inner))(inner, attn)
+    """``inner`` (a diffusers attention processor) with its SDPA call sent to ``attn``.
+
+    The processor is kept out of torch.compile's tracing when torch.compile is in use in this
+    process (``torch._dynamo`` imported: a compiling backend such as accel, or the user's
+    ``torch.compile``), and plain otherwise: importing dynamo costs seconds a process that never
+    compiles need not pay. A model compiled after it was routed without it still runs right
+    (dynamo then traces the processor, with graph breaks)."""
+    return _routed_class(type(inner), "torch._dynamo" in sys.modules)(inner, attn)
 
 
 def route_attention(model: Any, attn: Callable,

@@ -29,12 +29,14 @@ grows. The same rule gives the mask of the full recompute (:func:`block_causal_m
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 
-from .attention import RoutedAttnProcessor
+from .attention import RoutedAttnProcessor, routed_processor
 from .errors import InvalidInputError
 
 
@@ -182,15 +184,24 @@ class CausalSelfAttnProcessor(RoutedAttnProcessor):
     def _attend(self, q, k, v, attn_mask=None, scale=None):  # per layer, cache length or mode
         return self.state.attend(self.layer, q, k, v, attn_mask, scale)
 
-    # eager under torch.compile like every routed processor: the cache bookkeeping (per layer,
-    # cache length, mode) never enters a graph
-    @torch.compiler.disable
+    # eager under torch.compile like every routed processor (:func:`_causal_class`): the cache
+    # bookkeeping (per layer, cache length, mode) never enters a graph
     def __call__(self, attn_module, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  rotary_emb=None, **kwargs):
         if self.state.mode == "chunk":
             rotary_emb = self.state.rotary
         return super().__call__(attn_module, hidden_states, encoder_hidden_states, attention_mask,
                                 rotary_emb, **kwargs)
+
+
+@functools.cache
+def _causal_class(compiling: bool) -> type:
+    """:class:`CausalSelfAttnProcessor`, or where torch.compile is in use in this process its
+    subclass excluded from tracing (as :func:`flowseam.attention.routed_processor` decides)."""
+    if not compiling:
+        return CausalSelfAttnProcessor
+    return type("CompiledCausalSelfAttnProcessor", (CausalSelfAttnProcessor,),
+                {"__call__": torch.compiler.disable(CausalSelfAttnProcessor.__call__)})
 
 
 def route_causal_attention(model: Any, attention: Callable, cached_attention: Callable) -> CausalAttention:
@@ -207,9 +218,10 @@ def route_causal_attention(model: Any, attention: Callable, cached_attention: Ca
     for name, proc in original.items():
         parts = name.split(".")
         if len(parts) >= 3 and parts[0] == "blocks" and parts[2] == "attn1":
-            processors[name] = CausalSelfAttnProcessor(proc, int(parts[1]), state)
+            processors[name] = _causal_class("torch._dynamo" in sys.modules)(
+                proc, int(parts[1]), state)
         else:
-            processors[name] = RoutedAttnProcessor(proc, attention)
+            processors[name] = routed_processor(proc, attention)
     if not any(isinstance(p, CausalSelfAttnProcessor) for p in processors.values()):
         raise InvalidInputError(
             f"{type(model).__name__} has no blocks.<i>.attn1 self-attention to make "

@@ -90,21 +90,25 @@ def arch_chain() -> tuple[str, ...]:
 def compile_unsupported_reason() -> str:
     """Why ``torch.compile`` cannot run on accel's device here, or ``""`` when it can.
 
-    Cheap checks only (no compilation): dynamo supports this Python (torch's own check; importing
-    dynamo costs about a second, once per process), and inductor has its code generator for the
-    device: a C++ compiler for the CPU (``$CXX``, else ``g++``; ``clang++`` on macOS), triton for
-    CUDA.
+    Cheap checks only (no compilation): inductor has its code generator for the device: a C++
+    compiler for the CPU (``$CXX``, else ``g++``; ``clang++`` on macOS), triton for CUDA; and,
+    where this process has imported dynamo already, dynamo supports this Python (torch's own
+    check). Discovery runs in every flowseam process, and importing dynamo costs two seconds on
+    a small CPU, so a process that has not imported it leaves that check to the first compile:
+    on a Python torch.compile does not support, that compile fails naming accel and torch's
+    reason.
     """
     if forced_device_problem():
         return forced_device_problem()
     if not hasattr(torch, "compile"):
         return f"torch {torch.__version__} has no torch.compile (accel needs torch>=2.6)"
-    try:
-        from torch._dynamo.eval_frame import check_if_dynamo_supported
+    if "torch._dynamo" in sys.modules:
+        try:
+            from torch._dynamo.eval_frame import check_if_dynamo_supported
 
-        check_if_dynamo_supported()
-    except Exception as exc:  # torch says why (Python version, free-threaded build, ...)
-        return f"torch.compile does not support this Python ({sys.version.split()[0]}): {exc}"
+            check_if_dynamo_supported()
+        except Exception as exc:  # torch says why (Python version, free-threaded build, ...)
+            return f"torch.compile does not support this Python ({sys.version.split()[0]}): {exc}"
     dev = torch_device()
     if dev.type == "cpu":
         cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
