@@ -31,10 +31,13 @@ one frame, 2 SDE steps, KL to the reference on), in float32 and in bfloat16 with
 weights (``mixed_precision = "bf16"``): seconds and the peak RSS of the whole process.
 
 ``--vae``: the decode alone (flowseam's ``model.decode`` of seeded latents: the real-size VAE),
-untiled and with ``--vae-tiling``, at ``--frames`` x ``--height`` x ``--width`` and at twice the
-frames and twice the pixels: the decode's own peak memory (the process's VmHWM, reset with
-/proc/self/clear_refs just before it, minus its RSS then; glibc's mmap threshold fixed at 128 KiB
-so freed activations leave the resident set) and its seconds.
+untiled and with ``--vae-tiling``, at ``--frames`` x ``--height`` x ``--width``, at about twice the
+frames (``2 * frames - 1``: the VAE's 4k+1 rule) and at twice the width: the decode's own peak
+memory (the process's VmHWM, reset with /proc/self/clear_refs just before it, minus its RSS then;
+glibc's mmap threshold fixed at 128 KiB so freed activations leave the resident set) and its
+seconds. At the first size diffusers decodes the same latents too (``AutoencoderKLWan`` as
+``WanPipeline`` calls it, untiled and after ``vae.enable_tiling()``), so flowseam's tiled-vs-untiled
+difference is set against diffusers' own.
 
 Run: .venv/bin/python bench/real_size.py [--repeats 2] [--steps 2] [--height 240] [--width 416]
      [--frames 5] [--configs fp32,bf16] [--threads 2] [--cache DIR] [--train | --vae]
@@ -181,38 +184,62 @@ def train_worker(args) -> None:
 
 
 def vae_worker(args) -> None:
-    """One decode (``--vae``): ``args.config`` is ``tiled`` or ``untiled``."""
+    """One decode (``--vae``): ``args.config`` is ``tiled`` or ``untiled``, flowseam's, or
+    ``diffusers-tiled`` / ``diffusers-untiled``: diffusers' VAE decoding the same latents as
+    ``WanPipeline`` does (un-normalised with the VAE's latents_mean/std, then postprocessed)."""
     import torch
 
-    import flowseam
-    from flowseam import DiffusionParams
-
     torch.set_num_threads(args.threads)
-    model = flowseam.load(args.ckpt, flowseam.Platform("cpu"), quiet=True,
-                          vae_tiling=args.config == "tiled")
-    params = DiffusionParams(height=args.height, width=args.width, num_frames=args.frames)
     shape = (1, 16, (args.frames - 1) // 4 + 1, args.height // 8, args.width // 8)
     latents = torch.randn(shape, generator=torch.Generator().manual_seed(args.seed))
+    if args.config.startswith("diffusers"):
+        from diffusers import AutoencoderKLWan
+        from diffusers.video_processor import VideoProcessor
+
+        vae = AutoencoderKLWan.from_pretrained(args.ckpt, subfolder="vae").eval()
+        if args.config == "diffusers-tiled":
+            vae.enable_tiling()
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+
+        def decode(latents, params):
+            with torch.no_grad():
+                video = vae.decode(latents * std + mean, return_dict=False)[0]
+            return VideoProcessor(vae_scale_factor=8).postprocess_video(video, output_type="np")
+    else:
+        import flowseam
+
+        model = flowseam.load(args.ckpt, flowseam.Platform("cpu"), quiet=True,
+                              vae_tiling=args.config == "tiled")
+        decode = model.decode
+    params = flowseam_params(args)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start = int(re.search(r"^VmRSS:\s+(\d+) kB", open("/proc/self/status").read(),
                           re.M).group(1)) * 1024
     t0 = time.perf_counter()
-    frames = model.decode(latents, params)
+    frames = decode(latents, params)
     Path(args.out, "vae.json").write_text(json.dumps({
         "seconds": time.perf_counter() - t0, "decode_peak": peak_rss() - start,
         "shape": list(frames.shape)}))
     np.save(Path(args.out, "frames.npy"), frames)
 
 
+def flowseam_params(args):
+    from flowseam import DiffusionParams
+
+    return DiffusionParams(height=args.height, width=args.width, num_frames=args.frames)
+
+
 def vae(args, ckpt: Path) -> None:
     root = Path(tempfile.mkdtemp(prefix="fs-real-vae-"))
     sizes = [(args.frames, args.height, args.width), (2 * args.frames - 1, args.height, args.width),
-             (args.frames, 2 * args.height, 2 * args.width)]
+             (args.frames, args.height, 2 * args.width)]
     rows = []
-    for frames, height, width in sizes:
+    for i, (frames, height, width) in enumerate(sizes):
         got = {}
-        for config in ("untiled", "tiled"):
+        configs = ("untiled", "tiled") + (("diffusers-untiled", "diffusers-tiled") if i == 0 else ())
+        for config in configs:
             out = root / f"{config}-{frames}-{height}-{width}"
             out.mkdir()
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--library", "vae",
@@ -231,6 +258,10 @@ def vae(args, ckpt: Path) -> None:
                   f"{got[config]['decode_peak'] / 2**20:.0f} MiB", flush=True)
         diff = float(np.abs(got["tiled"]["frames"] - got["untiled"]["frames"]).max())
         rows.append((frames, height, width, got["untiled"], got["tiled"], diff))
+        if i == 0:
+            ref = {c: got[f"diffusers-{c}"]["frames"] for c in ("tiled", "untiled")}
+            against = {c: float(np.abs(got[c]["frames"] - ref[c]).max()) for c in ref}
+            own = float(np.abs(ref["tiled"] - ref["untiled"]).max())
     command = "python bench/real_size.py " + shlex.join(sys.argv[1:])
     print(f"\n`{command}`: the real-size Wan VAE's decode, fresh process each\n")
     print("| frames × size | untiled: s, decode peak MiB | tiled: s, decode peak MiB | "
@@ -240,6 +271,9 @@ def vae(args, ckpt: Path) -> None:
         print(f"| {frames} × {height}×{width} | {u['seconds']:.1f}, "
               f"{u['decode_peak'] / 2**20:.0f} | {t['seconds']:.1f}, "
               f"{t['decode_peak'] / 2**20:.0f} | {diff:.1e} |")
+    print(f"\nAt {sizes[0][0]} × {sizes[0][1]}×{sizes[0][2]}: diffusers' own max |tiled − untiled| "
+          f"{own:.1e}; flowseam against diffusers: untiled {against['untiled']:.1e}, tiled "
+          f"{against['tiled']:.1e}")
 
 
 def run_worker(args, ckpt: Path, library: str, config: str, out: Path) -> dict:
@@ -267,7 +301,7 @@ def main() -> None:
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/flowseam-bench"))
     ap.add_argument("--write-only", action="store_true", help="write the checkpoint and stop")
     ap.add_argument("--vae", action="store_true",
-                    help="the decode alone, untiled and tiled, at three sizes")
+                    help="the decode alone, untiled and tiled, at three sizes (and diffusers')")
     ap.add_argument("--train", action="store_true",
                     help="one flowgrpo step with LoRA rank 32 on the real-size DiT, fp32 and bf16")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
