@@ -208,7 +208,7 @@ def test_more_than_one_rank_is_refused(monkeypatch):
 
 def test_joint_multi_rl_is_a_method_plugin_with_its_own_entry_point():
     eps = {ep.name: ep.value for ep in metadata.entry_points(group="flowseam.plugins")}
-    assert eps["joint_multi_rl"] == "flowseam.training.joint_multi_rl"
+    assert eps["joint_multi_rl"] == "flowseam.training.builtin:joint_multi_rl"
     from flowseam.training import get_method
 
     assert get_method("joint_multi_rl") is JointMultiRL

@@ -177,7 +177,7 @@ def test_group_size_and_method_errors(ckpts, cpu):
 
 def test_methods_are_plugins_workflow_rl_has_its_own_entry_point():
     eps = {ep.name: ep for ep in metadata.entry_points(group="flowseam.plugins")}
-    assert eps["workflow_rl"].value == "flowseam.training.workflow_rl"
+    assert eps["workflow_rl"].value == "flowseam.training.builtin:workflow_rl"
     assert eps["workflow_rl"].dist.metadata["Name"] == "flowseam"
     assert get_method("workflow_rl") is WorkflowRL and get_method("flowgrpo") is FlowGRPO
 

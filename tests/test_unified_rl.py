@@ -270,7 +270,7 @@ def test_more_than_one_rank_is_refused(ckpts, monkeypatch):
 
 def test_unified_rl_is_a_method_plugin_with_its_own_entry_point():
     eps = {ep.name: ep.value for ep in metadata.entry_points(group="flowseam.plugins")}
-    assert eps["unified_rl"] == "flowseam.training.unified_rl"
+    assert eps["unified_rl"] == "flowseam.training.builtin:unified_rl"
     from flowseam.training import get_method
 
     assert get_method("unified_rl") is UnifiedRL

@@ -185,9 +185,13 @@ def flowseam_training_methods() -> Mapping[str, Any] | None:
     firstresult: no — every plugin's methods are collected.
 
     Called once at discovery. Values are classes (or factories) implementing the training-method
-    protocol. Two plugins registering one name are a conflict, reported like kernel conflicts.
+    protocol, or their import paths (``"package.module:Class"``, an entry point's form), which
+    are imported when the method is first asked for (:func:`flowseam.training.get_method`):
+    discovery runs in every process that loads a model, and a path keeps the training code out
+    of the ones that only generate. Two plugins registering one name are a conflict, reported
+    like kernel conflicts.
 
-    :returns: a mapping name → class, or None.
+    :returns: a mapping name → class or import path, or None.
     """
 
 

@@ -134,18 +134,24 @@ def _flags() -> dict[str, Any]:
     }
 
 
-def torch_snapshot() -> dict[str, Any] | None:
-    """Every public callable of the watched torch namespaces, and the global flags (as
-    ``"flag:<name>"``); None when torch is not imported (then nothing can have patched it)."""
+def torch_snapshot() -> dict[str, dict[str, Any]] | None:
+    """The namespace dict of each watched torch namespace (a shallow copy), and the global flags
+    (under ``"flag:"``); None when torch is not imported (then nothing can have patched it).
+    Copies, not a walk over the names: discovery takes two snapshots around every plugin's code,
+    and :func:`patched` reads the names only of a namespace that changed."""
     if "torch" not in sys.modules:
         return None
-    snap: dict[str, Any] = {}
-    for prefix, ns in _namespaces().items():
-        for name, value in vars(ns).items():
-            if not name.startswith("_") and callable(value):
-                snap[f"{prefix}.{name}"] = value
-    snap.update({f"flag:{k}": v for k, v in _flags().items()})
+    snap = {prefix: dict(vars(ns)) for prefix, ns in _namespaces().items()}
+    snap["flag:"] = _flags()
     return snap
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two namespace copies hold the same objects (identity first: a C-level compare)."""
+    try:
+        return a == b
+    except Exception:  # a value whose == is not a bool (a tensor): compare name by name
+        return False
 
 
 def _torch_own(value: Any) -> bool:
@@ -159,19 +165,25 @@ def _torch_own(value: Any) -> bool:
     return code is not None and os.path.abspath(code.co_filename).startswith(root)
 
 
-def patched(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[str]:
-    """The names whose value was replaced (not by torch itself) or deleted between two
-    snapshots; a flag as ``"name: old -> new"``."""
+def patched(before: dict[str, dict[str, Any]] | None,
+            after: dict[str, dict[str, Any]] | None) -> list[str]:
+    """The public callables (``"torch.nn.functional.softmax"``) whose value was replaced (not by
+    torch itself) or deleted between two snapshots, and each changed flag as
+    ``"name: old -> new"``."""
     if before is None or after is None:
         return []
-    out = []
-    for name, old in before.items():
-        new = after.get(name, "<deleted>")
-        if name.startswith("flag:"):
-            if new != old:
-                out.append(f"{name[5:]}: {old} -> {new}")
-        elif new is not old and not _torch_own(new):
-            out.append(name)
+    out = [f"{name}: {old} -> {after['flag:'][name]}" for name, old in before["flag:"].items()
+           if after["flag:"][name] != old]
+    for prefix, names in before.items():
+        if prefix == "flag:" or _same(names, after[prefix]):
+            continue
+        now = after[prefix]
+        for name, old in names.items():
+            if name.startswith("_") or not callable(old):
+                continue
+            new = now.get(name, "<deleted>")
+            if new is not old and not _torch_own(new):
+                out.append(f"{prefix}.{name}")
     return out
 
 

@@ -269,6 +269,11 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
     rec.component_classes = tuple(classes)
     rec.component_dtypes = _dtype_table(reg.call(rec, "flowseam_component_dtypes"))
     rec.methods = _named_mapping(reg.call(rec, "flowseam_training_methods"), "flowseam_training_methods")
+    bad = [v for v in rec.methods.values() if isinstance(v, str) and not _is_import_path(v)]
+    if bad:
+        raise InvalidInputError(
+            f"flowseam_training_methods() returned {bad!r}; a method given by name is an import "
+            "path 'package.module:Class'")
     rec.rewards = _named_mapping(reg.call(rec, "flowseam_rewards"), "flowseam_rewards")
 
 
@@ -304,6 +309,12 @@ def _named_mapping(result: Any, hook: str) -> dict[str, Any]:
     if not isinstance(result, Mapping) or any(not isinstance(k, str) or not k for k in result):
         raise TypeError(f"{hook}() returned {result!r}; expected a mapping of name (str) → object")
     return dict(result)
+
+
+def _is_import_path(value: str) -> bool:
+    """Whether ``value`` reads ``"package.module:attr"`` (an entry point's form)."""
+    module, sep, attr = value.partition(":")
+    return bool(sep) and all(p.isidentifier() for p in module.split(".") + attr.split("."))
 
 
 def _arch_chain(result: Any) -> tuple[str, ...]:

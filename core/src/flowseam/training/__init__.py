@@ -23,13 +23,37 @@ def _claims(attr: str) -> dict[str, list[tuple[Any, Any]]]:
     return found
 
 
+def _imported(rec: Any, obj: Any) -> Any:
+    """``obj`` itself, or for an import path ``"package.module:attr"`` (how a plugin may register
+    a method without importing it at discovery) the object it names.
+
+    :raises PluginLoadError: naming the plugin and the path when it cannot be imported.
+    """
+    if not isinstance(obj, str):
+        return obj
+    import importlib
+
+    from ..errors import PluginLoadError
+
+    module, _, attr = obj.partition(":")
+    try:
+        value = importlib.import_module(module)
+        for part in attr.split("."):
+            value = getattr(value, part)
+    except Exception as exc:
+        raise PluginLoadError(f"plugin {rec.name!r} ({rec.distribution} {rec.version}) registers "
+                              f"{obj!r}, which cannot be imported: {type(exc).__name__}: "
+                              f"{exc}") from exc
+    return value
+
+
 def _registered(attr: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, claims in _claims(attr).items():
         if len(claims) == 1:
-            out[name] = claims[0][1]
+            out[name] = _imported(*claims[0])
         else:  # a conflict: only the qualified names resolve
-            out.update({f"{rec.name}:{name}": obj for rec, obj in claims})
+            out.update({f"{rec.name}:{name}": _imported(rec, obj) for rec, obj in claims})
     return out
 
 
@@ -44,7 +68,7 @@ def _resolve_claim(attr: str, what: str, name: str) -> tuple[Any, Any]:
     if sep and short in claims:
         for rec, obj in claims[short]:
             if rec.name == plugin:
-                return rec, obj
+                return rec, _imported(rec, obj)
     if name not in claims:
         raise InvalidInputError(
             f"unknown {what} {name!r}; registered {attr}: {sorted(_registered(attr))}")
@@ -56,7 +80,8 @@ def _resolve_claim(attr: str, what: str, name: str) -> tuple[Any, Any]:
             f"{what} {name!r} is registered by {len(claims[name])} plugins: {who}; flowseam does "
             f"not pick one silently. Name one as '{first}:{name}', or block the others with "
             f"FLOWSEAM_DISABLE_PLUGINS={others}")
-    return claims[name][0]
+    rec, obj = claims[name][0]
+    return rec, _imported(rec, obj)
 
 
 def _resolve(attr: str, what: str, name: str) -> Any:
@@ -65,8 +90,11 @@ def _resolve(attr: str, what: str, name: str) -> Any:
 
 
 def registered_methods() -> dict[str, Any]:
-    """Every registered training method: name → class (from the discovered plugins). A name two
-    plugins register appears only qualified, as ``"<plugin>:<name>"``."""
+    """Every registered training method: name → class (from the discovered plugins; each
+    imported). A name two plugins register appears only qualified, as ``"<plugin>:<name>"``.
+
+    :raises PluginLoadError: if a method a plugin registers by import path cannot be imported.
+    """
     return _registered("methods")
 
 
@@ -75,6 +103,8 @@ def get_method(name: str) -> Any:
 
     :raises FlowseamError: for an unknown method (listing the registered ones), or one that
         several plugins register (naming them).
+    :raises PluginLoadError: if the plugin registered it by an import path that cannot be
+        imported (naming the plugin and the path).
     """
     return _resolve("methods", "training method", name)
 

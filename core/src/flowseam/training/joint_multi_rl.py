@@ -2,8 +2,10 @@
 between several DiT experts (Wan2.2 A14B: ``transformer`` for the high-noise steps,
 ``transformer_2`` below ``boundary_ratio``), each expert trained on the steps it produced.
 
-A plugin module of its own, registered through its own entry point in core's pyproject
-(``joint_multi_rl = "flowseam.training.joint_multi_rl"``) exactly as a third-party method would be.
+A plugin of its own, registered through its own entry point in core's pyproject
+(``joint_multi_rl = "flowseam.training.builtin:joint_multi_rl"``, which names this module's class by its
+import path, so discovery does not import this module) exactly as a third-party
+method would be.
 
 Each step rolls out and scores exactly as ``flowgrpo`` does (the serve loop with
 ``ExecutionProfile.ROLLOUT``, groups of ``group_size`` samples per prompt, group-relative
@@ -62,7 +64,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FlowseamError
-from ..hookspecs import hookimpl
 from ..loading import load, read_json, resolve_checkpoint
 from ..loops import LoopResult
 from ..models import card_for_index
@@ -324,7 +325,3 @@ class JointMultiRL(FlowGRPO):
     def close(self) -> None:
         """Nothing to shut down (no rollout fleet)."""
 
-
-@hookimpl
-def flowseam_training_methods():
-    return {"joint_multi_rl": JointMultiRL}

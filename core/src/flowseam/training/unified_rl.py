@@ -1,8 +1,10 @@
 """The ``unified_rl`` training method: a language model rewrites the user's prompt, a generator
 renders the rewrite, and one reward on the output trains both.
 
-A plugin module of its own, registered through its own entry point in core's pyproject
-(``unified_rl = "flowseam.training.unified_rl"``) exactly as a third-party method would be.
+A plugin of its own, registered through its own entry point in core's pyproject
+(``unified_rl = "flowseam.training.builtin:unified_rl"``, which names this module's class by its
+import path, so discovery does not import this module) exactly as a third-party
+method would be.
 
 The rollout is a tree (Tencent UniRL's layout): each step takes P prompts; for each, the LM
 samples N rewrites — of which the first ``unrefined_rewrites`` keep the unrefined prompt as a
@@ -75,7 +77,6 @@ import torch
 from pydantic import Field
 
 from ..errors import FlowseamError
-from ..hookspecs import hookimpl
 from ..loading import load
 from ..loops import ExecutionProfile, run_loop
 from ..models.base import ModelInstance
@@ -487,7 +488,3 @@ def _load(path: str | None, key: str, platform: Platform, dtype: Any = None) -> 
         raise FlowseamError(f"config needs {key} = <checkpoint directory>")
     return load(path, platform=platform, dtype=dtype)
 
-
-@hookimpl
-def flowseam_training_methods():
-    return {"unified_rl": UnifiedRL}

@@ -1,8 +1,10 @@
 """The ``workflow_rl`` training method: one reward on the final output of a cross-model workflow
 trains every stage.
 
-A plugin module of its own, registered through its own entry point in core's pyproject
-(``workflow_rl = "flowseam.training.workflow_rl"``) exactly as a third-party method would be.
+A plugin of its own, registered through its own entry point in core's pyproject
+(``workflow_rl = "flowseam.training.builtin:workflow_rl"``, which names this module's class by its
+import path, so discovery does not import this module) exactly as a third-party
+method would be.
 
 Each step, per prompt: roll out the text-to-image stage (SDE, a group of ``group_size`` samples,
 each with its own seed, as one batch), decode the images, roll out the image-to-video stage
@@ -50,7 +52,6 @@ from typing import Any
 import torch
 
 from ..errors import FlowseamError
-from ..hookspecs import hookimpl
 from ..loading import load
 from ..loops import ExecutionProfile, run_loop
 from ..models.base import ModelInstance
@@ -270,7 +271,3 @@ def workflow_rollout(t2i: ModelInstance, i2v: ModelInstance, prompts: list[str],
                                              seeds=[derive_seed(s, 2) for s in seeds]), profile=profile)
     return images, videos, videos.frames
 
-
-@hookimpl
-def flowseam_training_methods():
-    return {"workflow_rl": WorkflowRL}
