@@ -166,3 +166,55 @@ def test_misbehaving_hooks_mark_only_that_plugin_broken(fixture_plugins_dir):
 def test_empty_allow_list_means_no_allow_list():
     with plugin_env(FLOWSEAM_PLUGINS=" , ") as reg:
         assert reg.records["cpu"].status == "available"
+
+
+def test_discovery_imports_no_training_code():
+    """Every flowseam.load discovers the plugins; the built-in methods are registered by import
+    path, so a process that only generates imports none of them (nor pydantic, which their
+    configs use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flowseam; reg = flowseam.plugins.discover(); "
+            "print(sorted(m for m in sys.modules if m.startswith('flowseam.training.') "
+            "or m == 'pydantic')); print(sorted(reg.records['methods'].methods))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    imported, methods = out.stdout.splitlines()
+    assert imported == "['flowseam.training.builtin', 'flowseam.training.toy_rewards']"
+    assert methods == "['finetune', 'flowgrpo']"
+
+
+def test_a_method_registered_by_import_path_is_imported_when_asked_for(monkeypatch):
+    """A method given as "module:Class" resolves to the class on first use; a path that does not
+    import is an error naming the plugin and the path; a value that is not a path breaks the
+    plugin at discovery."""
+    from flowseam.hookspecs import hookimpl
+    from flowseam.plugins import PluginRegistry
+    from flowseam.training import get_method
+    from flowseam.training.finetune import Finetune
+
+    class Lazy:
+        @staticmethod
+        @hookimpl
+        def flowseam_training_methods():
+            return {"tuned": "flowseam.training.finetune:Finetune",
+                    "gone": "flowseam_no_such_package.methods:Gone"}
+
+    class Malformed:
+        @staticmethod
+        @hookimpl
+        def flowseam_training_methods():
+            return {"odd": "flowseam.training.finetune.Finetune"}  # no ':'
+
+    reg = PluginRegistry()
+    reg.load("lazy", "tests:Lazy", "fixture-lazy", "1.0", lambda: Lazy)
+    bad = reg.load("malformed", "tests:Malformed", "fixture-malformed", "1.0", lambda: Malformed)
+    assert bad.status == "broken" and "'package.module:Class'" in bad.reason
+    assert reg.records["lazy"].methods["tuned"] == "flowseam.training.finetune:Finetune"
+    monkeypatch.setattr(flowseam.plugins, "_CACHE", reg)
+    assert get_method("tuned") is Finetune
+    with pytest.raises(PluginLoadError, match=r"plugin 'lazy' \(fixture-lazy 1.0\) registers "
+                                              r"'flowseam_no_such_package.methods:Gone', which "
+                                              r"cannot be imported: ModuleNotFoundError"):
+        get_method("gone")
