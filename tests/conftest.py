@@ -129,6 +129,17 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> N
     assert r.returncode == 0, r.stderr[-4000:]
 
 
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if any component is built: a refusal must come before the weights load."""
+    import flowseam
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a component was built before the request was refused")
+
+    monkeypatch.setattr(flowseam.Platform, "build_component", refuse)
+
+
 @pytest.fixture(autouse=True)
 def _clean_flowseam_env(monkeypatch):
     """Tests start from the environment's real plugins with no FLOWSEAM_* variables set,

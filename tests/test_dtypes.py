@@ -97,14 +97,6 @@ def test_a_dtype_per_kind_leaves_the_other_kinds_to_the_backend(ckpts, cpu):
     assert out.dtype == np.float32 and np.isfinite(out).all() and out.std() > 0.01
 
 
-@pytest.fixture
-def no_weights(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a component was built before the option was refused")
-
-    monkeypatch.setattr(flowseam.Platform, "build_component", refuse)
-
-
 @pytest.mark.parametrize("card, options, message", [
     ("wan2.1-t2v", dict(dtype="int8"),
      "dtype='int8' is not a dtype flowseam loads components in; use one of float32, bfloat16, "

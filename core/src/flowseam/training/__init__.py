@@ -31,15 +31,11 @@ def _imported(rec: Any, obj: Any) -> Any:
     """
     if not isinstance(obj, str):
         return obj
-    import importlib
-
     from ..errors import PluginLoadError
+    from ..plugins import _entry_point_value_loader
 
-    module, _, attr = obj.partition(":")
     try:
-        value = importlib.import_module(module)
-        for part in attr.split("."):
-            value = getattr(value, part)
+        value = _entry_point_value_loader(rec.name, obj)()  # resolved as an entry point's value
     except Exception as exc:
         raise PluginLoadError(f"plugin {rec.name!r} ({rec.distribution} {rec.version}) registers "
                               f"{obj!r}, which cannot be imported: {type(exc).__name__}: "
