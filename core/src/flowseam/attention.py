@@ -95,16 +95,24 @@ class RoutedAttnProcessor:
         return out
 
 
+def compiling() -> bool:
+    """Whether torch.compile is in use in this process (``torch._dynamo`` imported: a compiling
+    backend such as accel, or the user's ``torch.compile``). A routed processor is kept out of
+    tracing only then: importing dynamo costs seconds a process that never compiles need not
+    pay."""
+    return "torch._dynamo" in sys.modules
+
+
 @functools.cache
-def _routed_class(inner_cls: type, compiling: bool) -> type:
+def _routed_class(inner_cls: type, untraced: bool) -> type:
     """A :class:`RoutedAttnProcessor` subclass whose ``__call__`` signature is ``inner_cls``'s;
-    with ``compiling``, excluded from torch.compile's tracing (``torch.compiler.disable``: eager
+    with ``untraced``, excluded from torch.compile's tracing (``torch.compiler.disable``: eager
     between a compiled block's graphs, see the module docstring)."""
     def __call__(self, *args, **kwargs):
         return RoutedAttnProcessor.__call__(self, *args, **kwargs)
 
     __call__.__signature__ = inspect.signature(inner_cls.__call__)
-    if compiling:
+    if untraced:
         __call__ = torch.compiler.disable(__call__)
     return type(f"Routed{inner_cls.__name__}", (RoutedAttnProcessor,), {"__call__": __call__})
 
@@ -117,7 +125,7 @@ def routed_processor(inner: Any, attn: Callable) -> RoutedAttnProcessor:
     ``torch.compile``), and plain otherwise: importing dynamo costs seconds a process that never
     compiles need not pay. A model compiled after it was routed without it still runs right
     (dynamo then traces the processor, with graph breaks)."""
-    return _routed_class(type(inner), "torch._dynamo" in sys.modules)(inner, attn)
+    return _routed_class(type(inner), compiling())(inner, attn)
 
 
 def route_attention(model: Any, attn: Callable,

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 
-from .attention import RoutedAttnProcessor, routed_processor
+from .attention import RoutedAttnProcessor, compiling, routed_processor
 from .errors import InvalidInputError
 
 
@@ -195,10 +194,10 @@ class CausalSelfAttnProcessor(RoutedAttnProcessor):
 
 
 @functools.cache
-def _causal_class(compiling: bool) -> type:
+def _causal_class(untraced: bool) -> type:
     """:class:`CausalSelfAttnProcessor`, or where torch.compile is in use in this process its
     subclass excluded from tracing (as :func:`flowseam.attention.routed_processor` decides)."""
-    if not compiling:
+    if not untraced:
         return CausalSelfAttnProcessor
     return type("CompiledCausalSelfAttnProcessor", (CausalSelfAttnProcessor,),
                 {"__call__": torch.compiler.disable(CausalSelfAttnProcessor.__call__)})
@@ -218,8 +217,7 @@ def route_causal_attention(model: Any, attention: Callable, cached_attention: Ca
     for name, proc in original.items():
         parts = name.split(".")
         if len(parts) >= 3 and parts[0] == "blocks" and parts[2] == "attn1":
-            processors[name] = _causal_class("torch._dynamo" in sys.modules)(
-                proc, int(parts[1]), state)
+            processors[name] = _causal_class(compiling())(proc, int(parts[1]), state)
         else:
             processors[name] = routed_processor(proc, attention)
     if not any(isinstance(p, CausalSelfAttnProcessor) for p in processors.values()):
