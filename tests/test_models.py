@@ -257,6 +257,28 @@ def test_load_errors_name_the_file(checkpoints, tmp_path, cpu, monkeypatch):
         flowseam.load("some-org/some-model", platform=cpu)
 
 
+def test_a_refused_layout_comes_before_the_model_libraries_import(checkpoints, tmp_path):
+    """The layout, dtype and memory checks import neither diffusers nor transformers (seconds
+    of imports): a fresh process is refused at once."""
+    import shutil
+    import subprocess
+    import sys
+
+    bad = tmp_path / "no-vae"
+    shutil.copytree(checkpoints["wan2.1-t2v"], bad)
+    shutil.rmtree(bad / "vae")
+    code = ("import sys, flowseam\n"
+            "try:\n"
+            f"    flowseam.load({str(bad)!r}, platform=flowseam.Platform('cpu'))\n"
+            "except flowseam.FlowseamError as exc:\n"
+            "    print(type(exc).__name__, exc)\n"
+            "print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and "vae" in lines[0], proc.stdout + proc.stderr
+    assert lines[-1] == "[]"
+
+
 def test_workflow_feeds_the_generated_image_to_image_to_video(models, fixture_plugins_dir):
     from flowseam.workflows import Workflow
 

@@ -152,15 +152,14 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     """
     memory = MemoryOptions.check(offload, vae_tiling, vae_slicing)
     requested = parse_dtypes(dtype)
-    with library_output(verbose):
-        return _load(path_or_hub_id, platform, ignore_scheduler_options, quiet, parallel,
-                     requested, memory)
+    return _load(path_or_hub_id, platform, ignore_scheduler_options, quiet, parallel,
+                 requested, memory, verbose)
 
 
 def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
           ignore_scheduler_options: Iterable[str], quiet: bool,
           parallel: "Parallel | None" = None, requested: dict[str, str] | None = None,
-          memory: "MemoryOptions | None" = None) -> ModelInstance:
+          memory: "MemoryOptions | None" = None, verbose: bool = False) -> ModelInstance:
     root = resolve_checkpoint(path_or_hub_id)
     index_file = root / "model_index.json"
     platform = platform if platform is not None else Platform.detect()
@@ -176,25 +175,57 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
         check_environment(parallel, platform)  # a rank of the layout, on its own GPU
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     raw = read_json(scheduler_file) if (root / "scheduler").is_dir() else None
-    solver = None  # a card whose loop has its own sampler (the causal one) reads no scheduler
-    if card.solver_from_scheduler:
-        solver = card.resolve_solver(raw, file=str(scheduler_file),
-                                     ignore=ignore_scheduler_options,
-                                     index_class=index["scheduler"][1]
-                                     if declared(index, "scheduler") else None)
     serve_defaults = read_checkpoint_defaults(root)  # a bad flowseam.json fails before any build
-    if solver is not None and "flow_shift" in serve_defaults:
-        # the checkpoint's own shift is a solver setting: the load line shows it, with its source
-        serve_defaults = dict(serve_defaults)
-        solver = solver.for_request(DiffusionParams(flow_shift=serve_defaults.pop("flow_shift")),
-                                    source=SERVING_DEFAULTS)
     unused = unused_components(card, index, configs)
-    for name, why in unused.items():
-        warnings.warn(f"{index_file}: {name} {index.get(name)!r} is not loaded: {why}",
-                      UserWarning, stacklevel=2)
+    # the checks above import no model library; library_output imports diffusers and
+    # transformers (seconds), so a refusal above comes at once
+    with library_output(verbose):
+        solver = None  # a card whose loop has its own sampler (the causal one) reads no scheduler
+        if card.solver_from_scheduler:
+            solver = card.resolve_solver(raw, file=str(scheduler_file),
+                                         ignore=ignore_scheduler_options,
+                                         index_class=index["scheduler"][1]
+                                         if declared(index, "scheduler") else None)
+        if solver is not None and "flow_shift" in serve_defaults:
+            # the checkpoint's own shift is a solver setting: the load line shows it, with its
+            # source
+            serve_defaults = dict(serve_defaults)
+            solver = solver.for_request(
+                DiffusionParams(flow_shift=serve_defaults.pop("flow_shift")),
+                source=SERVING_DEFAULTS)
+        for name, why in unused.items():
+            warnings.warn(f"{index_file}: {name} {index.get(name)!r} is not loaded: {why}",
+                          UserWarning, stacklevel=2)
+        components, records, specs = _build_components(root, plan, unused, dtypes, platform,
+                                                       memory)
+        instance = card.instance(card, platform, components, root, solver,
+                                 scheduler_config=raw, pipeline_config=index)
+        instance.read_index(index, str(index_file))
+        instance.component_records = records
+        instance.component_specs = specs
+        instance.unused_components = unused
+        instance.serve_defaults = serve_defaults
+        instance.route_attention()
+        instance.install_step_constants()
+        instance.configure_memory(memory)
+        if parallel is not None and parallel.enabled:
+            instance.parallelize(parallel)
+    if not quiet:
+        experts = f" (experts {', '.join(instance.experts)}, boundary timestep " \
+                  f"{instance.boundary_timestep:g})" if instance.boundary_timestep is not None else ""
+        print(f"flowseam: loaded {card.name}{experts} from {root}: {instance.solver_line()}",
+              file=sys.stderr)
+    return instance
+
+
+def _build_components(root: Path, plan: list[tuple[Any, str]], unused: dict[str, str],
+                      dtypes: dict[str, str], platform: Platform, memory: MemoryOptions):
+    """Build every used component of ``plan`` with ``platform``: name → component, → its
+    platform record, → (kind, spec). A library's loading error is a CheckpointError naming the
+    files; running out of memory says how much the weights take and what would lower it."""
     components: dict[str, Any] = {}
     records, specs = {}, {}
-    for entry, cls in plan:  # a library's loading error is a CheckpointError naming the files
+    for entry, cls in plan:
         if entry.name in unused:
             continue
         spec = ComponentSpec(name=entry.name, cls=cls, path=str(root), subfolder=entry.name,
@@ -211,24 +242,7 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
                 f"{advice((entry.kind,), memory, dtypes)}") from exc
         specs[entry.name] = (entry.kind, spec)
         records[entry.name] = platform.components[-1]
-    instance = card.instance(card, platform, components, root, solver, scheduler_config=raw,
-                             pipeline_config=index)
-    instance.read_index(index, str(index_file))
-    instance.component_records = records
-    instance.component_specs = specs
-    instance.unused_components = unused
-    instance.serve_defaults = serve_defaults
-    instance.route_attention()
-    instance.install_step_constants()
-    instance.configure_memory(memory)
-    if parallel is not None and parallel.enabled:
-        instance.parallelize(parallel)
-    if not quiet:
-        experts = f" (experts {', '.join(instance.experts)}, boundary timestep " \
-                  f"{instance.boundary_timestep:g})" if instance.boundary_timestep is not None else ""
-        print(f"flowseam: loaded {card.name}{experts} from {root}: {instance.solver_line()}",
-              file=sys.stderr)
-    return instance
+    return components, records, specs
 
 
 def check_load_options(path_or_hub_id: str | os.PathLike, platform: Platform, *,
