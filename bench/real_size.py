@@ -34,6 +34,10 @@ one frame, 2 SDE steps, KL to the reference on), in float32 and in bfloat16 (the
 decodes the rollouts for the reward, in float32) with float32 master weights
 (``mixed_precision = "bf16"``): seconds and the peak RSS of the whole process.
 
+``--load-only``: the loads alone, no generation (so that more rounds fit: a load's seconds are
+mostly the same library imports in both, and a shared machine's noise is of their size), with
+each round's load ratio as well as the ratio of the medians.
+
 ``--vae``: the decode alone (flowseam's ``model.decode`` of seeded latents: the real-size VAE),
 untiled and with ``--vae-tiling``, at ``--frames`` x ``--height`` x ``--width``, at about twice the
 frames (``2 * frames - 1``: the VAE's 4k+1 rule) and at twice the width: the decode's own peak
@@ -44,7 +48,8 @@ seconds. At the first size diffusers decodes the same latents too (``Autoencoder
 difference is set against diffusers' own.
 
 Run: .venv/bin/python bench/real_size.py [--repeats 2] [--steps 2] [--height 240] [--width 416]
-     [--frames 5] [--configs fp32,bf16] [--threads 2] [--cache DIR] [--train | --vae]
+     [--frames 5] [--configs fp32,bf16] [--threads 2] [--cache DIR] [--train | --vae |
+     --load-only]
 """
 
 from __future__ import annotations
@@ -140,6 +145,8 @@ def worker(args) -> None:
                               dtype=config["dtype"], offload=config["offload"],
                               vae_tiling=config["tiling"])
         load_s, load_peak = time.perf_counter() - t0, peak_rss()
+        if args.load_only:
+            return _report(args, out, load_s, load_peak, None, None)
         t1 = time.perf_counter()
         frames = model.generate(PROMPT, seeds=[args.seed], params=DiffusionParams(
             num_steps=args.steps, height=args.height, width=args.width, num_frames=args.frames,
@@ -160,13 +167,20 @@ def worker(args) -> None:
         if config["tiling"]:
             pipe.vae.enable_tiling()
         load_s, load_peak = time.perf_counter() - t0, peak_rss()
+        if args.load_only:
+            return _report(args, out, load_s, load_peak, None, None)
         t1 = time.perf_counter()
         frames = pipe(PROMPT, negative_prompt=NEGATIVE, num_inference_steps=args.steps,
                       height=args.height, width=args.width, num_frames=args.frames,
                       guidance_scale=GUIDANCE, generator=torch.Generator().manual_seed(args.seed),
                       output_type="np").frames[0]
-    generate_s = time.perf_counter() - t1
-    np.save(out / f"{args.library}.npy", np.asarray(frames, np.float32))
+    _report(args, out, load_s, load_peak, time.perf_counter() - t1, frames)
+
+
+def _report(args, out: Path, load_s: float, load_peak: int, generate_s: float | None,
+            frames) -> None:
+    if frames is not None:
+        np.save(out / f"{args.library}.npy", np.asarray(frames, np.float32))
     (out / f"{args.library}.json").write_text(json.dumps({
         "load_s": load_s, "generate_s": generate_s, "load_peak": load_peak, "peak": peak_rss()}))
 
@@ -293,11 +307,27 @@ def run_worker(args, ckpt: Path, library: str, config: str, out: Path) -> dict:
            "--config", config, "--ckpt", str(ckpt), "--out", str(out), "--steps",
            str(args.steps), "--height", str(args.height), "--width", str(args.width),
            "--frames", str(args.frames), "--threads", str(args.threads), "--seed", str(args.seed)]
+    cmd += ["--load-only"] if args.load_only else []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{library} {config} failed:\n{proc.stderr[-4000:]}")
     return json.loads((out / f"{library}.json").read_text())
+
+
+def _load_table(configs, results, weights: int) -> None:
+    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+    print("| configuration | load s, flowseam / diffusers (medians) | each round's load ratio "
+          "(median) | peak RSS of the load, MiB (× weights) |")
+    print("|---|---|---|---|")
+    for config in configs:
+        f, d = results[config]["flowseam"], results[config]["diffusers"]
+        rounds = [a["load_s"] / b["load_s"] for a, b in zip(f, d)]
+        print(f"| {config} | {med(f, 'load_s'):.1f} / {med(d, 'load_s'):.1f} "
+              f"({med(f, 'load_s') / med(d, 'load_s'):.2f}) | "
+              f"{', '.join(f'{x:.2f}' for x in rounds)} ({statistics.median(rounds):.2f}) | "
+              f"{med(f, 'load_peak') / 2**20:.0f} ({med(f, 'load_peak') / weights:.2f}) / "
+              f"{med(d, 'load_peak') / 2**20:.0f} ({med(d, 'load_peak') / weights:.2f}) |")
 
 
 def main() -> None:
@@ -316,6 +346,8 @@ def main() -> None:
                     help="the decode alone, untiled and tiled, at three sizes (and diffusers')")
     ap.add_argument("--train", action="store_true",
                     help="one flowgrpo step with LoRA rank 32 on the real-size DiT, fp32 and bf16")
+    ap.add_argument("--load-only", action="store_true",
+                    help="load each library, generate nothing (more rounds for the load time)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--library", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -351,10 +383,12 @@ def main() -> None:
             for library in order:
                 r = run_worker(args, ckpt, library, config, out)
                 results[config][library].append(r)
+                generate = "" if args.load_only else f"generate {r['generate_s']:7.1f} s, "
                 print(f"  round {i + 1} {config:<18} {library:<9} load {r['load_s']:6.1f} s, "
-                      f"generate {r['generate_s']:7.1f} s, load peak "
-                      f"{r['load_peak'] / 2**20:7.0f} MiB, peak {r['peak'] / 2**20:7.0f} MiB",
-                      flush=True)
+                      f"{generate}load peak {r['load_peak'] / 2**20:7.0f} MiB, peak "
+                      f"{r['peak'] / 2**20:7.0f} MiB", flush=True)
+            if args.load_only:
+                continue
             a, b = (np.load(out / f"{lib}.npy") for lib in ("flowseam", "diffusers"))
             results[config]["diff"].append(float(np.abs(a - b).max()))
             results[config]["rel"].append(float(np.linalg.norm(a - b) / np.linalg.norm(b)))
@@ -362,6 +396,8 @@ def main() -> None:
     command = "python bench/real_size.py " + shlex.join(sys.argv[1:])
     print(f"\n`{command}` ({args.repeats} rounds, fresh processes; load average "
           f"{os.getloadavg()[0]:.1f} at the end; weights {weights / 2**30:.2f} GiB):\n")
+    if args.load_only:
+        return _load_table(configs, results, weights)
     print("| configuration | load s, flowseam / diffusers | generate s, flowseam / diffusers "
           "| peak RSS of the load, MiB (× weights) | peak RSS, MiB | max \\|Δ frames\\| "
           "| ‖Δ‖ / ‖diffusers‖ |")
