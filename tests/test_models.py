@@ -203,6 +203,12 @@ def test_text_embeddings_are_cached_per_weights_version(models):
         assert len(calls) == 2
     finally:
         handle.remove()
+    # what is cached is the prompt's own tokens (the tokenizer's count), not max_length rows
+    tokens = int(model.components["tokenizer"]("an uncached prompt", return_tensors="pt")
+                 .attention_mask.sum())
+    (states, keep), = [v for k, v in model._text_cache.items()
+                       if k[1:3] == (model.versions["text_encoder"], "an uncached prompt")]
+    assert states.shape[:2] == (1, tokens) and int(keep.sum()) == tokens < len(keep) == 512
 
 
 @pytest.mark.parametrize("card,text_only", [
