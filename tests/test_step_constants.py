@@ -77,3 +77,26 @@ def test_inputs_that_differ_in_the_padding_are_recomputed(dit):
             assert all(v[2].shape[-2] == 40 for v in kept.values() if torch.is_tensor(v[2]))
     assert torch.equal(got, expected)
     assert not torch.equal(expected, dit(latents, t, text, return_dict=False)[0])
+
+
+def test_the_same_bits_in_another_layout_are_recomputed(dit, monkeypatch):
+    """A kept input matches a contiguous tensor of its bits, not the same values laid out
+    otherwise (another layout may take another kernel path: ``at::linear`` on a contiguous
+    3-d input fuses the bias into one GEMM)."""
+    to_k = dit.blocks[0].attn2.to_k
+    calls = []
+    linear = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward",
+                        lambda self, x: calls.append(1) or linear(self, x))
+    torch.manual_seed(3)
+    text = torch.zeros(2, 40, 24)
+    text[:, :5] = torch.randn(2, 5, 24)
+    strided = text.transpose(0, 1).contiguous().transpose(0, 1)  # same values, (24, 48, 1)
+    assert torch.equal(strided, text) and not strided.is_contiguous()
+    with torch.no_grad(), step_constants.reuse_across_steps():
+        to_k(text)
+        to_k(text.clone())  # a copy of the same bits, contiguous: reused
+        assert len(calls) == 1
+        got = to_k(strided)
+        assert len(calls) == 2
+    assert torch.equal(got, linear(to_k, strided))

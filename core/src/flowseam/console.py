@@ -133,6 +133,26 @@ def print_backend_table(rows: list[dict] | None = None, platform: Any = None,
 
 
 @contextlib.contextmanager
+def hub_output(verbose: bool = False) -> Iterator[None]:
+    """Within the block, unless ``verbose``: huggingface_hub's progress bars (a checkpoint's
+    download) are off, as :func:`library_output` turns them off, without importing diffusers and
+    transformers; the previous setting is restored on exit."""
+    if verbose:
+        yield
+        return
+    from huggingface_hub.utils import (are_progress_bars_disabled, disable_progress_bars,
+                                       enable_progress_bars)
+
+    was_off = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_off:
+            enable_progress_bars()
+
+
+@contextlib.contextmanager
 def library_output(verbose: bool = False) -> Iterator[None]:
     """Within the block, unless ``verbose``: diffusers' and transformers' log messages below
     ERROR (their "experimental feature" and fallback notices) and their progress bars (weight

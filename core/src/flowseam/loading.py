@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from . import loops  # noqa: F401  (registers the loops a loaded model runs: flowseam.runner)
 from .components import ComponentSpec, check_component_class
-from .console import library_output
+from .console import hub_output, library_output
 from .defaults import read_checkpoint_defaults
 from .dtypes import for_kinds, parse_dtypes
 from .errors import CheckpointError, FlowseamError, NotEnoughMemoryError
@@ -160,7 +160,8 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
           ignore_scheduler_options: Iterable[str], quiet: bool,
           parallel: "Parallel | None" = None, requested: dict[str, str] | None = None,
           memory: "MemoryOptions | None" = None, verbose: bool = False) -> ModelInstance:
-    root = resolve_checkpoint(path_or_hub_id)
+    with hub_output(verbose):  # a hub id is downloaded here
+        root = resolve_checkpoint(path_or_hub_id)
     index_file = root / "model_index.json"
     platform = platform if platform is not None else Platform.detect()
     memory = memory or MemoryOptions()

@@ -9,8 +9,8 @@ are a third of a step's work (the profile in docs/benchmarks.md).
 :func:`install` gives the named submodules of a DiT a forward that, **inside**
 :func:`reuse_across_steps` and with gradients off, returns its previous output when it is called
 again with the same input (and the same plain keyword arguments, e.g. ``device=``): the very same
-tensor object, unchanged since (``Tensor._version``), or a tensor of the same shape, strides and
-dtype with the same bits (compared as integers, a read of the input: far less than the matmul it
+tensor object, unchanged since (``Tensor._version``), or a tensor of the same shape, strides
+(for an input kept compactly, see below: contiguous, as it was) and dtype with the same bits (compared as integers, a read of the input: far less than the matmul it
 saves). A hit is therefore exact — the same computation on the same bits — and the output is
 bit-identical to recomputing it. A different input, gradients on (a trainer's recompute), or no
 scope (every call outside the denoising loop) runs the module as usual. The outputs are dropped
@@ -67,11 +67,11 @@ class _Rows:
         self.head, self.shape = head, shape
 
     @staticmethod
-    def of(t: object, contiguous: bool) -> "_Rows | None":
+    def of(t: object) -> "_Rows | None":
         """``t`` stored compactly, or None when fewer than 2 of its last rows repeat (or it is not
-        a floating tensor of 2 or more dimensions; not contiguous, when ``contiguous``)."""
+        a tensor of 2 or more dimensions, or not contiguous)."""
         if not torch.is_tensor(t) or t.dim() < 2 or t.shape[-2] < 3 or t.numel() == 0 \
-                or t.element_size() not in _BITS or (contiguous and not t.is_contiguous()):
+                or t.element_size() not in _BITS or not t.is_contiguous():
             return None
         bits = t.view(_BITS[t.element_size()])
         rows = t.shape[-2]
@@ -90,12 +90,14 @@ class _Rows:
         return _tag(torch.cat([head, last], dim=-2), self)
 
     def matches(self, x: torch.Tensor) -> bool:
-        """``x`` is this tensor: expanded from it and unchanged since, or the same bits."""
+        """``x`` is this tensor: expanded from it (or compacted into it) and unchanged since, or
+        contiguous with the same bits (a layout of its own may take another kernel path)."""
         tag = getattr(x, _TAG, None)
         if tag is not None and tag[0] is self and tag[1] == x._version:
             return True
         head = self.head
-        if x.shape != self.shape or x.dtype != head.dtype or x.device != head.device:
+        if x.shape != self.shape or x.dtype != head.dtype or x.device != head.device \
+                or not x.is_contiguous():
             return False
         bits, k = _BITS[x.element_size()], head.shape[-2]
         xb, hb = x.view(bits), head.view(bits)
@@ -143,16 +145,23 @@ def _reusing_forward(self: torch.nn.Module, *args, **kwargs):
         kept = seen[2]
         return kept.expand() if isinstance(kept, _Rows) else kept
     out = type(self).forward(self, x, **kwargs)
-    # the last input per module (held, compactly where it can be: ids stay unique)
+    # the last input per module (held, compactly where it can be: ids stay unique). Only a
+    # module's first call in the scope is compacted: one whose input changes at every step
+    # (LTX-2.3's) would pay a read of its input and output at each call for nothing.
+    first = seen is None
     tag = getattr(x, _TAG, None)
     if tag is not None and tag[1] == x._version:
         x_kept = tag[0]
     else:
-        x_kept = _Rows.of(x, contiguous=False) or x
-    out_kept = _Rows.of(out, contiguous=True)
+        x_kept = _Rows.of(x) if first else None
+        if x_kept is None:
+            x_kept = x
+        else:  # the same tensor at the next step matches by its tag, unread
+            _tag(x, x_kept)
+    out_kept = _Rows.of(out) if first else None
     if out_kept is not None:
         _tag(out, out_kept)
-    outputs[id(self)] = (x_kept, x._version, out_kept or out, kwargs)
+    outputs[id(self)] = (x_kept, x._version, out if out_kept is None else out_kept, kwargs)
     return out
 
 
