@@ -376,3 +376,30 @@ def test_gpu_components_dtypes_and_parity_with_cpu(cuda_platform, tiny_wan):
     assert (z.cpu() - z_ref).abs().max().item() < 1e-4
     assert (decoded - decoded_ref).abs().max().item() < 1e-4
     assert cuda_platform.component_plan("tokenizer") == ("cpu", "cpu", True)
+
+
+@needs_gpu
+def test_gpu_offload_model_keeps_each_component_on_the_gpu_only_while_it_runs(cuda_platform, tiny_wan):
+    """``offload="model"`` (diffusers' ``enable_model_cpu_offload``): after loading, every module
+    is on the CPU; the text encoder, the DiT and the VAE each run on the GPU and the previous
+    one goes back; the frames equal a run without offload (the same kernels, the same device)."""
+    params = flowseam.DiffusionParams(num_steps=2, height=32, width=32, num_frames=5,
+                                      guidance_scale=5.0, seed=3)
+    plain = flowseam.load(tiny_wan, platform=cuda_platform, quiet=True, dtype="float32")
+    want = plain.generate("a red ball", params=params).frames
+    del plain
+    model = flowseam.load(tiny_wan, platform=cuda_platform, quiet=True, dtype="float32",
+                          offload="model")
+    names = [n for n, c in model.components.items() if isinstance(c, torch.nn.Module)]
+    assert all(next(model.components[n].parameters()).device.type == "cpu" for n in names)
+    ran = []  # (component, the device it ran on, the other modules on the GPU meanwhile)
+    on_gpu = lambda n: next(model.components[n].parameters()).is_cuda  # noqa: E731
+    for name in names:  # the VAE decodes through vae.decode: its decoder's forward runs then
+        module = model.components[name]
+        watched = module.decoder if hasattr(module, "decoder") else module
+        watched.register_forward_hook(lambda m, args, out, name=name: ran.append(
+            (name, on_gpu(name), sorted(o for o in names if o != name and on_gpu(o)))))
+    got = model.generate("a red ball", params=params).frames
+    assert {(n, gpu) for n, gpu, _ in ran} == {(n, True) for n in names}, ran
+    assert all(others == [] for _, _, others in ran), ran
+    assert np.abs(got - want).max() <= 1e-5
