@@ -315,8 +315,18 @@ def run_worker(args, ckpt: Path, library: str, config: str, out: Path) -> dict:
     return json.loads((out / f"{library}.json").read_text())
 
 
+def med(runs: list[dict], key: str) -> float:
+    """The median of ``key`` over a library's runs."""
+    return statistics.median(r[key] for r in runs)
+
+
+def load_peaks(f: list[dict], d: list[dict], weights: int) -> str:
+    """The table cell of the load's peak RSS: flowseam / diffusers, MiB (× the weights)."""
+    return (f"{med(f, 'load_peak') / 2**20:.0f} ({med(f, 'load_peak') / weights:.2f}) / "
+            f"{med(d, 'load_peak') / 2**20:.0f} ({med(d, 'load_peak') / weights:.2f})")
+
+
 def _load_table(configs, results, weights: int) -> None:
-    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
     print("| configuration | load s, flowseam / diffusers (medians) | each round's load ratio "
           "(median) | peak RSS of the load, MiB (× weights) |")
     print("|---|---|---|---|")
@@ -326,8 +336,7 @@ def _load_table(configs, results, weights: int) -> None:
         print(f"| {config} | {med(f, 'load_s'):.1f} / {med(d, 'load_s'):.1f} "
               f"({med(f, 'load_s') / med(d, 'load_s'):.2f}) | "
               f"{', '.join(f'{x:.2f}' for x in rounds)} ({statistics.median(rounds):.2f}) | "
-              f"{med(f, 'load_peak') / 2**20:.0f} ({med(f, 'load_peak') / weights:.2f}) / "
-              f"{med(d, 'load_peak') / 2**20:.0f} ({med(d, 'load_peak') / weights:.2f}) |")
+              f"{load_peaks(f, d, weights)} |")
 
 
 def main() -> None:
@@ -402,14 +411,12 @@ def main() -> None:
           "| peak RSS of the load, MiB (× weights) | peak RSS, MiB | max \\|Δ frames\\| "
           "| ‖Δ‖ / ‖diffusers‖ |")
     print("|---|---|---|---|---|---|---|")
-    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
     for config in configs:
         f, d = results[config]["flowseam"], results[config]["diffusers"]
         print(f"| {config} | {med(f, 'load_s'):.1f} / {med(d, 'load_s'):.1f} "
               f"({med(f, 'load_s') / med(d, 'load_s'):.2f}) | {med(f, 'generate_s'):.1f} / "
               f"{med(d, 'generate_s'):.1f} ({med(f, 'generate_s') / med(d, 'generate_s'):.2f}) | "
-              f"{med(f, 'load_peak') / 2**20:.0f} ({med(f, 'load_peak') / weights:.2f}) / "
-              f"{med(d, 'load_peak') / 2**20:.0f} ({med(d, 'load_peak') / weights:.2f}) | "
+              f"{load_peaks(f, d, weights)} | "
               f"{med(f, 'peak') / 2**20:.0f} / {med(d, 'peak') / 2**20:.0f} | "
               f"{max(results[config]['diff']):.1e} | {max(results[config]['rel']):.1e} |")
 

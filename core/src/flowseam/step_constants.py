@@ -9,13 +9,14 @@ are a third of a step's work (the profile in docs/benchmarks.md).
 :func:`install` gives the named submodules of a DiT a forward that, **inside**
 :func:`reuse_across_steps` and with gradients off, returns its previous output when it is called
 again with the same input (and the same plain keyword arguments, e.g. ``device=``): the very same
-tensor object, unchanged since (``Tensor._version``), or a tensor of the same shape, strides
-(for an input kept compactly, see below: contiguous, as it was) and dtype with the same bits (compared as integers, a read of the input: far less than the matmul it
-saves). A hit is therefore exact — the same computation on the same bits — and the output is
-bit-identical to recomputing it. A different input, gradients on (a trainer's recompute), or no
-scope (every call outside the denoising loop) runs the module as usual. The outputs are dropped
-when the scope ends, so weights that change between loop runs (a LoRA switch, a weight sync) are
-never stale; weights do not change inside one loop run. The scope is per thread.
+tensor object, unchanged since (``Tensor._version``), or a tensor of the same shape, strides (for
+an input kept compactly, see below: contiguous, as it was) and dtype with the same bits (compared
+as integers, a read of the input: far less than the matmul it saves). A hit is therefore exact —
+the same computation on the same bits — and the output is bit-identical to recomputing it. A
+different input, gradients on (a trainer's recompute), or no scope (every call outside the
+denoising loop) runs the module as usual. The outputs are dropped when the scope ends, so weights
+that change between loop runs (a LoRA switch, a weight sync) are never stale; weights do not
+change inside one loop run. The scope is per thread.
 
 The loop passes the same ``encoder_hidden_states`` tensor at every step (:meth:`flowseam.models.
 wan.WanT2V.branch_velocity` builds the CFG batch of text once per condition), so Wan T2V's
