@@ -51,7 +51,7 @@ def main() -> None:
 
     import flowseam
     from flowseam import DiffusionParams
-    from flowseam.console import quiet_libraries
+    from flowseam.quiet import quiet_libraries
     from flowseam.testing.tiny import write_tiny_checkpoint
 
     quiet_libraries()

@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import flowseam
-    from flowseam.console import quiet_libraries
+    from flowseam.quiet import quiet_libraries
     from flowseam.demo.build import ensure_models, read_recipes
     from flowseam.demo.evaluate import serve_params
     from flowseam.demo.run import (EVAL_SEED_BASE, PROMPTS, RL_CONFIG, apply_overrides, default_threads,

@@ -103,7 +103,7 @@ def main() -> int:
     import torch
 
     import flowseam
-    from flowseam.console import quiet_libraries
+    from flowseam.quiet import quiet_libraries
 
     quiet_libraries()
     torch.set_num_threads(args.threads)

@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import flowseam
-    from flowseam.console import quiet_libraries
+    from flowseam.quiet import quiet_libraries
     from flowseam.demo.build import ensure_models, read_recipes
     from flowseam.demo.evaluate import serve_params
     from flowseam.demo.run import apply_overrides, default_threads

@@ -65,17 +65,17 @@ def isolated_plugin(tmp_path_factory):
 @contextlib.contextmanager
 def plugin_env(path: Path | None = None, **env: str | None):
     """Put an install target on sys.path, set FLOWSEAM_* variables, rediscover; undo on exit."""
-    import flowseam.plugins
+    import flowseam.seam.discovery
 
     with _path_and_env(path, **env):
-        yield flowseam.plugins.discover(refresh=True)
+        yield flowseam.seam.discovery.discover(refresh=True)
 
 
 @contextlib.contextmanager
 def _path_and_env(path: Path | None = None, **env: str | None):
     """Put an install target on sys.path and set FLOWSEAM_* variables, with no plugins
-    discovered yet (the next :func:`flowseam.plugins.discover` finds them); undo on exit."""
-    import flowseam.plugins
+    discovered yet (the next :func:`flowseam.seam.discovery.discover` finds them); undo on exit."""
+    import flowseam.seam.discovery
 
     saved_env = {k: os.environ.get(k) for k in env}
     saved_path = list(sys.path)
@@ -87,7 +87,7 @@ def _path_and_env(path: Path | None = None, **env: str | None):
                 os.environ[k] = v
         if path is not None:
             sys.path.insert(0, str(path))
-        flowseam.plugins._CACHE = None
+        flowseam.seam.discovery._CACHE = None
         yield
     finally:
         sys.path[:] = saved_path
@@ -96,7 +96,7 @@ def _path_and_env(path: Path | None = None, **env: str | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        flowseam.plugins._CACHE = None
+        flowseam.seam.discovery._CACHE = None
 
 
 def run_cli(*args: str, path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -152,7 +152,7 @@ def _clean_flowseam_env(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _notices_restored():
-    """Every test leaves flowseam's notices (:func:`flowseam.console.enable_notices`) as it
+    """Every test leaves flowseam's notices (:func:`flowseam.notices.enable_notices`) as it
     found them: off, the library default.
 
     Tests that call :func:`flowseam.cli.main` in this process (test_demo, test_cli, test_serve,
@@ -162,11 +162,11 @@ def _notices_restored():
     first). Decision: restore here, once for every in-process ``main`` call now and later,
     rather than in each caller, or by giving the accel test shapes no other test uses (a fresh
     compile on every run, and the next leak would still go unnoticed)."""
-    from flowseam import console
+    from flowseam.seam import notices
 
-    saved = console.notices_enabled()
+    saved = notices.notices_enabled()
     yield
-    console.enable_notices(saved)
+    notices.enable_notices(saved)
 
 
 def run_main(*args: str, path: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -189,12 +189,13 @@ def run_main(*args: str, path: Path | None = None, **env: str) -> subprocess.Com
     import torch
     import transformers
 
-    from flowseam import cli, console
+    from flowseam import cli
+    from flowseam.seam import notices
 
     out, err = io.StringIO(), io.StringIO()
     libs = (diffusers.utils.logging, transformers.utils.logging)
     saved = ([(lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs],
-             console.notices_enabled(), torch.get_num_threads())
+             notices.notices_enabled(), torch.get_num_threads())
     try:
         with _path_and_env(path, **env), warnings.catch_warnings(record=True) as caught, \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -214,6 +215,6 @@ def run_main(*args: str, path: Path | None = None, **env: str) -> subprocess.Com
         for lib, (level, bars) in zip(libs, saved[0]):
             lib.set_verbosity(level)
             (lib.enable_progress_bar if bars else lib.disable_progress_bar)()
-        console.enable_notices(saved[1])
+        notices.enable_notices(saved[1])
         torch.set_num_threads(saved[2])
     return subprocess.CompletedProcess(["flowseam", *args], status, out.getvalue(), err.getvalue())

@@ -32,7 +32,7 @@ RTOL, ATOL = reference.TOLERANCES["float32"]
 
 
 def _platform(name: str) -> flowseam.Platform:
-    reg = flowseam.plugins.discover(refresh=True)
+    reg = flowseam.seam.discovery.discover(refresh=True)
     rec = reg.records.get(name)
     if rec is None or not rec.usable:
         pytest.skip(f"backend {name!r} is not usable here: "
@@ -43,13 +43,13 @@ def _platform(name: str) -> flowseam.Platform:
 @pytest.fixture(scope="module")
 def accel():
     yield _platform("accel")
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
 
 
 @pytest.fixture(scope="module")
 def cpu():
     yield _platform("cpu")
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
 
 
 def _rand(*shape, seed=0, dtype=torch.float32):
@@ -77,7 +77,7 @@ def test_found_through_its_entry_point_as_device_accel():
     assert eps["accel"].dist.metadata["Name"] == "flowseam-accel"
     # like flowseam-cpu, it does not depend on flowseam (no packaging cycle)
     assert not any(req.startswith("flowseam") for req in metadata.requires("flowseam-accel") or [])
-    reg = flowseam.plugins.discover(refresh=True)
+    reg = flowseam.seam.discovery.discover(refresh=True)
     try:
         rec = reg.records["accel"]
         if rec.status == "blocked":
@@ -89,7 +89,7 @@ def test_found_through_its_entry_point_as_device_accel():
             (ops.FLOW_MATCH_STEP, "generic"), (ops.FLOW_SDE_STEP, device.arch_chain()[0]),
             (ops.FLOW_RENOISE, "generic"), (ops.SEQUENCE_PARALLEL_ATTENTION, "generic")}
     finally:
-        flowseam.plugins._CACHE = None
+        flowseam.seam.discovery._CACHE = None
 
 
 @pytest.mark.parametrize("torch_device,priority,detected", [
@@ -102,7 +102,7 @@ def test_priority_depends_on_the_device_and_backend_accel_still_selects_it(
     """Below cpu's 0 where accel's torch device is the CPU, 50 on a GPU or MPS (above cpu,
     below cuda's 100); either way Platform("accel") (``--backend accel``) selects accel."""
     monkeypatch.setattr(accel_plugin, "torch_device", lambda: torch.device(torch_device))
-    reg = flowseam.plugins.discover(refresh=True)
+    reg = flowseam.seam.discovery.discover(refresh=True)
     try:
         rec = reg.records["accel"]
         if not rec.usable:
@@ -113,7 +113,7 @@ def test_priority_depends_on_the_device_and_backend_accel_still_selects_it(
             assert flowseam.Platform.detect(registry=reg).name == detected
         assert flowseam.Platform("accel", registry=reg).device_chain == ("accel", "cpu")
     finally:
-        flowseam.plugins._CACHE = None
+        flowseam.seam.discovery._CACHE = None
 
 
 def test_here_detect_picks_cpu_and_the_cli_lists_accel_available():
@@ -412,9 +412,9 @@ def test_a_first_call_says_it_may_compile_when_notices_are_on(accel, tiny_wan, m
     input shapes announces itself (a cold compile takes minutes on 2 cores and would look like
     a hang), and says afterwards whether it compiled, with the seconds it took; later calls
     with the same shapes say nothing, and library use (notices off) is silent."""
-    from flowseam import console
+    from flowseam.seam import notices
 
-    console.enable_notices(True)  # conftest restores the setting
+    notices.enable_notices(True)  # conftest restores the setting
     monkeypatch.setitem(compiled._SEEN, "dit:transformer", set())  # as in a new process
     spec = ComponentSpec("transformer", "diffusers.WanTransformer3DModel", str(tiny_wan),
                          "transformer")
@@ -430,7 +430,7 @@ def test_a_first_call_says_it_may_compile_when_notices_are_on(accel, tiny_wan, m
     assert re.fullmatch(re.escape(message) + r": (compiled|ready \(compiled before\)) in "
                         r"[0-9.]+ s", err[1]), err
     assert len(err) == 2
-    console.enable_notices(False)
+    notices.enable_notices(False)
     with torch.no_grad():
         accel.build_component("dit", spec)(latents, t, text, return_dict=False)
     assert capsys.readouterr().err == ""

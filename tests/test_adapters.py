@@ -344,7 +344,7 @@ def test_switching_adapters_on_accel_never_recompiles(checkpoints, loras, cpu):
 
     from flowseam_accel.compiled import compile_report
 
-    reg = flowseam.plugins.discover(refresh=True)
+    reg = flowseam.seam.discovery.discover(refresh=True)
     if not reg.records.get("accel") or not reg.records["accel"].usable:
         pytest.skip("the accel backend is not usable here")
     accel = flowseam.Platform("accel", registry=reg)

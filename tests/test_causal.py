@@ -33,7 +33,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.load(ckpt, platform=flowseam.Platform("cpu"))
 
 

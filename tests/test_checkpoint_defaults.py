@@ -30,7 +30,7 @@ def flux(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 

@@ -201,7 +201,7 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
 
 @pytest.fixture(scope="module")
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 

@@ -20,7 +20,7 @@ PARAMS = DiffusionParams(num_steps=4, height=32, width=32, num_frames=5, guidanc
 
 @pytest.fixture(scope="module")
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 

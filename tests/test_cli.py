@@ -109,7 +109,7 @@ def test_explain_columns_stay_apart_for_a_long_arch_rung(fixture_plugins_dir):
 def test_hookspec_docstrings_start_with_one_whole_sentence():
     """Each hook's docstring opens with its summary (a sentence ending in a period) before the
     ``firstresult`` line, as pytest's hookspecs do."""
-    from flowseam import hookspecs
+    from flowseam.seam import hookspecs
 
     for name in dir(hookspecs):
         if not name.startswith("flowseam_"):

@@ -46,7 +46,7 @@ def _rand(*shape, seed=0, dtype=torch.float32, device="cpu"):
 
 
 def _cuda_record():
-    reg = flowseam.plugins.discover(refresh=True)
+    reg = flowseam.seam.discovery.discover(refresh=True)
     rec = reg.records.get("cuda")
     if rec is None or rec.status == "blocked":
         pytest.skip(f"cuda plugin is {'not installed' if rec is None else 'blocked: ' + rec.reason}")
@@ -56,7 +56,7 @@ def _cuda_record():
 @pytest.fixture(autouse=True)
 def _fresh_discovery():
     yield
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
 
 
 # -- on every machine: import, discovery, availability -----------------------------------------
@@ -228,12 +228,12 @@ def test_attention_ops_match_the_oracle_on_cpu():
 
 @pytest.fixture(scope="module")
 def cuda_platform():
-    reg = flowseam.plugins.discover(refresh=True)
+    reg = flowseam.seam.discovery.discover(refresh=True)
     rec = reg.records.get("cuda")
     if rec is None or not rec.usable:
         pytest.skip(f"cuda backend not usable: {rec.reason if rec else 'not installed'}")
     yield flowseam.Platform("cuda", registry=reg)
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
 
 
 def _gpu_kernels(platform):

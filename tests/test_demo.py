@@ -129,7 +129,7 @@ def flux_ckpt(tmp_path_factory):
 def test_finetune_batches_rows_independently_and_encodes_once(flux_ckpt, monkeypatch):
     from flowseam.training.finetune import Finetune
 
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     model = flowseam.load(flux_ckpt, platform=flowseam.Platform("cpu"))
     data = t2i_dataset(limit=6)
     ft = Finetune(dict(steps=2, batch_size=4, seed=0, train=dict(p_uncond=0.5),

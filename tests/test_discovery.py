@@ -175,7 +175,7 @@ def test_discovery_imports_no_training_code():
     import subprocess
     import sys
 
-    code = ("import sys, flowseam; reg = flowseam.plugins.discover(); "
+    code = ("import sys, flowseam; reg = flowseam.seam.discovery.discover(); "
             "print(sorted(m for m in sys.modules if m.startswith('flowseam.training.') "
             "or m == 'pydantic')); print(sorted(reg.records['methods'].methods))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -189,8 +189,8 @@ def test_a_method_registered_by_import_path_is_imported_when_asked_for(monkeypat
     """A method given as "module:Class" resolves to the class on first use; a path that does not
     import is an error naming the plugin and the path; a value that is not a path breaks the
     plugin at discovery."""
-    from flowseam.hookspecs import hookimpl
-    from flowseam.plugins import PluginRegistry
+    from flowseam.seam.hookspecs import hookimpl
+    from flowseam.seam.discovery import PluginRegistry
     from flowseam.training import get_method
     from flowseam.training.finetune import Finetune
 
@@ -212,7 +212,7 @@ def test_a_method_registered_by_import_path_is_imported_when_asked_for(monkeypat
     bad = reg.load("malformed", "tests:Malformed", "fixture-malformed", "1.0", lambda: Malformed)
     assert bad.status == "broken" and "'package.module:Class'" in bad.reason
     assert reg.records["lazy"].methods["tuned"] == "flowseam.training.finetune:Finetune"
-    monkeypatch.setattr(flowseam.plugins, "_CACHE", reg)
+    monkeypatch.setattr(flowseam.seam.discovery, "_CACHE", reg)
     assert get_method("tuned") is Finetune
     with pytest.raises(PluginLoadError, match=r"plugin 'lazy' \(fixture-lazy 1.0\) registers "
                                               r"'flowseam_no_such_package.methods:Gone', which "

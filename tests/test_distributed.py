@@ -100,7 +100,7 @@ def test_two_ranks_equal_one_rank_flowgrpo(flux, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("flowgrpo: 2 steps") == 1  # rank 0 reports
 
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     one = FlowGRPO(dict(cfg, output_dir=str(tmp_path / "one")))
     assert one.dp.world_size == 1
     one.run(progress=False)
@@ -168,7 +168,7 @@ def test_two_ranks_equal_one_rank_workflow_rl_finetune_and_fsdp(flux, tmp_path):
     torchrun("distributed_job.py", tmp_path / "jobs.json")
 
     for name, cfg in jobs.items():
-        flowseam.plugins._CACHE = None
+        flowseam.seam.discovery._CACHE = None
         one = get_method(name)(dict(cfg, output_dir=str(tmp_path / f"one-{name}"),
                                     distributed={}))
         one.run(progress=False)

@@ -35,7 +35,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 
@@ -123,8 +123,8 @@ def test_bad_options_are_refused_before_any_weights_load(ckpts, cpu, no_weights,
 
 
 def test_a_backend_that_does_not_build_a_dtype_says_so_before_loading(ckpts, no_weights):
-    flowseam.plugins._CACHE = None
-    accel = flowseam.plugins.discover().records.get("accel")
+    flowseam.seam.discovery._CACHE = None
+    accel = flowseam.seam.discovery.discover().records.get("accel")
     if accel is None or not accel.usable:
         pytest.skip("the accel backend is not usable here")
     with pytest.raises(InvalidInputError,

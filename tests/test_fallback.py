@@ -12,7 +12,7 @@ from conftest import plugin_env
 
 import flowseam
 from flowseam import DiffusionParams, ops
-from flowseam.components import KINDS
+from flowseam.seam.components import KINDS
 from flowseam.testing.tiny import write_tiny_checkpoint
 
 #: the fallback to cpu depends on which backends are installed: rerun in the blocked-backend pass

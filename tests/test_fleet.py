@@ -92,7 +92,7 @@ def trainers(flux, ray_cluster):
     a weighted sum, so the reward worker returns each component's scores too."""
     from flowseam.training.flowgrpo import FlowGRPO
 
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     cpu = flowseam.Platform("cpu")
     cfg = dict(prompts=["a ball", "a box"], reward={"brightness": 1.0, "channel_contrast": 0.5},
                group_size=4, prompts_per_step=1,

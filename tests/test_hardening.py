@@ -53,7 +53,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture()
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 
@@ -282,8 +282,8 @@ def test_a_faulty_kernel_is_named_with_its_impl_id(faulty_model, monkeypatch, mo
 def test_running_out_of_memory_is_not_a_plugin_fault():
     """An allocator's error passes the kernel wrapper unchanged (the server answers it as
     ``out_of_memory``: tests/test_serve.py); any other exception is still named as the plugin's."""
-    from flowseam.declarations import Provenance
-    from flowseam.kernels import BoundKernel
+    from flowseam.seam.declarations import Provenance
+    from flowseam.seam.kernels import BoundKernel
 
     prov = Provenance("flow_match_step", "fixture", "flowseam-fixture", "0", "cpu", "any")
     cpu_oom = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: "
@@ -303,7 +303,7 @@ def test_running_out_of_memory_is_not_a_plugin_fault():
 def test_the_step_check_is_one_sum_and_never_a_false_alarm():
     """The loops' finiteness test is one sum: a sum that overflows (finite float16 values) falls
     back to the element-wise test instead of raising; one NaN anywhere is still caught."""
-    from flowseam.faults import check_step
+    from flowseam.seam.faults import check_step
 
     kernel = flowseam.Platform("cpu").kernels.get(flowseam.ops.FLOW_MATCH_STEP)
     latents = torch.full((4, 1024), 60000.0, dtype=torch.float16)
@@ -374,7 +374,7 @@ def test_the_ltx2_loop_checks_every_step_like_the_others(hostile_registry, tmp_p
 
 def test_the_cli_names_a_plugin_fault_and_exits_3(hostile_registry, ckpts, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FAULTY_MODE", "raise")
-    monkeypatch.setattr(flowseam.plugins, "_CACHE", hostile_registry)  # what discover() returns
+    monkeypatch.setattr(flowseam.seam.discovery, "_CACHE", hostile_registry)  # what discover() returns
     status = cli.main(["generate", "--model", str(ckpts["flux"]), "--prompt", "a", "--steps", "1",
                        "--height", "32", "--width", "32", "--backend", "faulty",
                        "--output", str(tmp_path / "x.png")])
@@ -388,7 +388,7 @@ def test_method_and_reward_name_conflicts_never_win_silently(hostile_registry, m
     from flowseam.training import get_method, get_reward, registered_methods
     from flowseam.training.flowgrpo import FlowGRPO
 
-    monkeypatch.setattr(flowseam.plugins, "_CACHE", hostile_registry)
+    monkeypatch.setattr(flowseam.seam.discovery, "_CACHE", hostile_registry)
     with pytest.raises(FlowseamError, match=r"training method 'flowgrpo' is registered by 2 plugins: "
                                             r"'aaa' \(flowseam-fixture-hostile 0.0.1\), 'methods'"):
         get_method("flowgrpo")
@@ -440,7 +440,7 @@ def test_discovery_survives_hangs_exits_prints_and_names_torch_patches(isolated_
     table = run_cli("backends", path=target, FLOWSEAM_PLUGINS="cpu,patcher")
     assert "patches torch: torch.nn.functional.scaled_dot_product_attention (import)" in table.stdout
     assert "torch globals replaced by plugins:" in table.stdout
-    from flowseam.isolation import plugin_timeout  # read by discovery; a ValueError exits 2
+    from flowseam.seam.isolation import plugin_timeout  # read by discovery; a ValueError exits 2
 
     monkeypatch.setenv("FLOWSEAM_PLUGIN_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="FLOWSEAM_PLUGIN_TIMEOUT='soon'"):

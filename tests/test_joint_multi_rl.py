@@ -35,7 +35,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture()
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 

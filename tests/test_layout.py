@@ -48,18 +48,11 @@ ORDER = (SEAM, MODELS, LOOPS, USERS)
 #: plain name for that module only (so a new top-level module of flowseam must be placed here).
 LAYER = {
     # -- seam ---------------------------------------------------------------------------------
-    "flowseam.errors": SEAM,
+    "flowseam.seam.*": SEAM,            # the plugin contract and its resolution
     "flowseam.ops.*": SEAM,             # op names and contracts, the numpy oracle, eager refs
-    "flowseam.declarations": SEAM,
-    "flowseam.hookspecs": SEAM,
-    "flowseam.isolation": SEAM,
-    "flowseam.plugins": SEAM,           # the plugin manager: discovery of the entry-point group
-    "flowseam.faults": SEAM,
-    "flowseam.kernels": SEAM,
-    "flowseam.components": SEAM,
-    "flowseam.tables": SEAM,            # text tables, so the platform need not import console
-    "flowseam.platform": SEAM,
-    "flowseam.console": SEAM,           # shared CLI output; above the platform it reports on
+    "flowseam.errors": SEAM,            # the errors every layer raises
+    "flowseam._moved": SEAM,            # old import paths, kept for one release
+    "flowseam.quiet": SEAM,             # the libraries' output kept quiet
     "flowseam.attention": SEAM,         # the attention route the DiTs' processors call
     "flowseam.causal_attention": SEAM,  # block-causal masks and the KV cache's attention
     "flowseam.parallel": SEAM,          # sequence/CFG parallelism: process groups, split hooks
@@ -67,9 +60,7 @@ LAYER = {
     "flowseam.noise": SEAM,
     "flowseam.media": SEAM,
     "flowseam.policies": SEAM,          # parsing of the request's lora / cache values
-    "flowseam.dtypes": SEAM,            # component dtypes asked for: parsed and checked
     "flowseam.memory": SEAM,            # offload, VAE tiling / slicing options and helpers
-    "flowseam.weights": SEAM,           # loading a diffusers model converted, one tensor at once
     "flowseam.request": SEAM,
     "flowseam.schedulers": SEAM,        # a checkpoint's scheduler config → solver, sigmas
     "flowseam.defaults": SEAM,          # the precedence of serving defaults (plain data)
@@ -302,7 +293,7 @@ def test_backends_use_no_private_name_of_core():
             assert _private_names_of_core(path.read_text()) == [], path
     # the check finds such a use when there is one
     for uses in ("from flowseam.attention import _SDPARoute",
-                 "import flowseam\nflowseam.plugins._CACHE = None",
+                 "import flowseam\nflowseam.seam.discovery._CACHE = None",
                  "from flowseam import ops\nops._shape(1)",
                  "import flowseam.ops as o\no._shape(1)",
                  "import flowseam._private"):

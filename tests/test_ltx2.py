@@ -58,7 +58,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 
@@ -395,12 +395,12 @@ def test_every_step_runs_the_platforms_kernel_and_components_fall_back_visibly(c
         # 5 DiT calls x 2 blocks x 6 attentions (video, audio, 2 text cross, a2v, v2a)
         assert len(seen) == 5 * 2 * 6
         assert "testdev_a" in model.provenance() and "audio_vae=cpu/cpu float32 (fallback)" in model.provenance()
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
 
 
 @pytest.mark.backends
 def test_accel_leaves_the_new_kinds_to_cpu():
-    reg = flowseam.plugins.discover(refresh=True)
+    reg = flowseam.seam.discovery.discover(refresh=True)
     rec = reg.records.get("accel")
     if rec is None or not rec.usable:
         pytest.skip(f"the accel backend is not usable here ({rec.status if rec else 'not installed'})")
@@ -408,7 +408,7 @@ def test_accel_leaves_the_new_kinds_to_cpu():
     for kind in ("text_connectors", "audio_vae", "vocoder", "latent_upsampler"):
         assert platform.component_plan(kind) == ("cpu", "cpu", True)
     assert platform.component_plan("dit") == ("accel", "accel", False)
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
 
 
 def _generate_cli(ckpt, out, *extra):

@@ -17,7 +17,7 @@ RTOL, ATOL = reference.TOLERANCES["float32"]
 
 @pytest.fixture(scope="module")
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 

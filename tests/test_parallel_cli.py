@@ -255,8 +255,8 @@ def test_a_kernel_that_takes_any_heads_lifts_the_heads_rule(tmp_path):
     assert not takes_any_heads(cpu)
     with pytest.raises(flowseam.InvalidInputError, match="has 3 attention heads, not a multiple"):
         check_parallel_checkpoint(path, Parallel(sp=2), params, cpu)
-    flowseam.plugins._CACHE = None
-    accel = flowseam.plugins.discover().records.get("accel")
+    flowseam.seam.discovery._CACHE = None
+    accel = flowseam.seam.discovery.discover().records.get("accel")
     if accel is None or not accel.usable:
         pytest.skip("the accel backend is not usable here")
     platform = flowseam.Platform("accel")

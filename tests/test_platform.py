@@ -118,11 +118,11 @@ def test_explain_lists_every_op():
 
 
 def _worker(platform, x, v):
-    import flowseam.plugins
+    import flowseam.seam.discovery
 
     step = platform.kernels.get(ops.FLOW_MATCH_STEP)
     return ({op: k.impl_id for op, k in platform.kernels.resolved().items()},
-            flowseam.plugins.DISCOVERY_SCANS, step(x, v, 0.5, 0.25), platform.device_chain)
+            flowseam.seam.discovery.DISCOVERY_SCANS, step(x, v, 0.5, 0.25), platform.device_chain)
 
 
 def test_platform_round_trips_through_a_spawned_process(fixture_plugins_dir):

@@ -116,7 +116,7 @@ def test_tests_without_the_fixture_discover_nothing(pytester):
 
         def test_plain():
             assert "torch" not in sys.modules
-            plugins = sys.modules.get("flowseam.plugins")
+            plugins = sys.modules.get("flowseam.seam.discovery")
             assert plugins is None or plugins.DISCOVERY_SCANS == 0
     """)
     pytester.runpytest_subprocess().assert_outcomes(passed=1)

@@ -36,7 +36,7 @@ def flux(tmp_path_factory):
 
 @pytest.fixture()
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 
@@ -226,7 +226,7 @@ FAULTS = [
 def test_a_failing_reward_is_named_with_its_plugin_and_stops_the_step(bad_rewards, flux,
                                                                       monkeypatch, over, name,
                                                                       match):
-    monkeypatch.setattr(flowseam.plugins, "_CACHE", bad_rewards)
+    monkeypatch.setattr(flowseam.seam.discovery, "_CACHE", bad_rewards)
     model = flowseam.load(flux, platform=flowseam.Platform("cpu"), quiet=True)
     g = FlowGRPO(_cfg(prompts=["a ball"], **over), model=model)
     before = {n: p.detach().clone() for n, p in g.stage.policy.named_parameters()}
@@ -291,7 +291,7 @@ def test_flowseam_train_bad_reward_exits_2_with_one_line(tmp_path, capsys):
 
 def test_flowseam_train_failing_reward_exits_3_with_one_line(bad_rewards, flux, tmp_path, capsys,
                                                             monkeypatch):
-    monkeypatch.setattr(flowseam.plugins, "_CACHE", bad_rewards)  # what discover() returns
+    monkeypatch.setattr(flowseam.seam.discovery, "_CACHE", bad_rewards)  # what discover() returns
     status, err = _train(tmp_path, f'model = "{flux}"\nbackend = "cpu"\nprompts = ["a"]\n'
                                    'reward = "wrong_shape"\ngroup_size = 2\nsteps = 1\n'
                                    '[sampling]\nnum_steps = 2\nheight = 32\nwidth = 32\n', capsys)

@@ -25,7 +25,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 

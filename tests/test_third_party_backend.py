@@ -153,7 +153,7 @@ def test_the_guides_complete_backend_is_under_100_lines_and_mixes_precisions(hal
     # bf16 with the norms diffusers keeps in float32: the mixed-precision case the suite must
     # judge by its lowest precision
     assert platform.components[-1].dtype == "bfloat16+float32"
-    assert flowseam.components.compute_dtype(dit) is torch.bfloat16
+    assert flowseam.seam.components.compute_dtype(dit) is torch.bfloat16
 
 
 @pytest.mark.slow
@@ -164,7 +164,7 @@ def test_the_guides_complete_backend_passes_the_conformance_suite(halfcpu_dir, t
 
 
 def test_a_dtype_mismatch_in_a_component_names_the_dtypes_and_the_fix():
-    from flowseam.components import cast_inputs
+    from flowseam.seam.components import cast_inputs
     from flowseam.testing.conformance._support import _Recorder
 
     module = torch.nn.Linear(4, 3).to(torch.bfloat16)
@@ -173,7 +173,7 @@ def test_a_dtype_mismatch_in_a_component_names_the_dtypes_and_the_fix():
     text = str(info.value)
     assert "Linear.forward failed in the serve loop: the component's parameters are bfloat16, " \
            "its floating-point inputs were float32: RuntimeError" in text
-    assert "flowseam.components.cast_inputs(module)" in text
+    assert "flowseam.seam.components.cast_inputs(module)" in text
     out = _Recorder(cast_inputs(module, names=("input",)), [])(torch.randn(2, 4))
     assert out.dtype is torch.bfloat16 and out.shape == (2, 3)
 
@@ -181,7 +181,7 @@ def test_a_dtype_mismatch_in_a_component_names_the_dtypes_and_the_fix():
 def test_cast_inputs_casts_the_activations_and_leaves_timesteps_and_coordinates_alone():
     """As diffusers' pipelines do: latents and embeddings in the model's dtype, the timestep
     and the RoPE coordinates in float32 (bfloat16 cannot hold 999.0 - 0.5: it rounds to 1000)."""
-    from flowseam.components import cast_inputs
+    from flowseam.seam.components import cast_inputs
 
     seen = {}
 

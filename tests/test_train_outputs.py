@@ -31,7 +31,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 

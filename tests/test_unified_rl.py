@@ -33,7 +33,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture()
 def cpu():
-    flowseam.plugins._CACHE = None
+    flowseam.seam.discovery._CACHE = None
     return flowseam.Platform("cpu")
 
 

@@ -28,39 +28,41 @@ them: what it imports on ``import flowseam`` is the seam, and the names of the h
 
 from typing import TYPE_CHECKING, Any
 
-from . import ops
-from .components import ComponentRecord, ComponentSpec
-from .declarations import (
+from . import _moved, ops
+from .request import DiffusionParams, GenerationRequest, TaskType
+from .seam import (
     Availability,
     BackendInfo,
-    ConformanceExpectations,
-    KernelRegistration,
-    Provenance,
-)
-from .errors import (
     BackendUnavailableError,
+    BoundKernel,
     CheckpointError,
     ComponentBuildError,
     ComponentFaultError,
+    ComponentRecord,
+    ComponentSpec,
+    ConformanceExpectations,
     FlowseamError,
     InvalidInputError,
     InvalidParameterError,
     KernelArgumentError,
     KernelFaultError,
     KernelPinError,
+    KernelRegistration,
+    KernelTable,
+    Platform,
     PluginFaultError,
     PluginLoadError,
+    Provenance,
     RewardFaultError,
     RewardServerError,
     UnknownOpError,
     UnsafeCheckpointError,
     UntrustedComponentError,
+    discover,
+    hookimpl,
 )
-from .hookspecs import hookimpl
-from .kernels import BoundKernel, KernelTable
-from .platform import Platform
-from .plugins import discover
-from .request import DiffusionParams, GenerationRequest, TaskType
+
+_moved.install()  # the import paths that moved in 0.2 still work, with a DeprecationWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loading import load

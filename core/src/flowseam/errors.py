@@ -130,4 +130,4 @@ class NotEnoughMemoryError(MemoryError):
     """Memory ran out while loading weights or running a component: the message says how much
     was asked for and which options lower it (``--dtype``, ``--offload``, ``--vae-tiling``,
     ``--vae-slicing``: :mod:`flowseam.memory`). A ``MemoryError``, so
-    :func:`flowseam.faults.is_out_of_memory` and the command line treat it as one (exit 1)."""
+    :func:`flowseam.seam.faults.is_out_of_memory` and the command line treat it as one (exit 1)."""

@@ -10,16 +10,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from . import loops  # noqa: F401  (registers the loops a loaded model runs: flowseam.runner)
-from .components import ComponentSpec, check_component_class
-from .console import hub_output, library_output
+from .seam.components import ComponentSpec, check_component_class
+from .quiet import hub_output, library_output
 from .defaults import read_checkpoint_defaults
-from .dtypes import for_kinds, parse_dtypes
+from .seam.dtypes import for_kinds, parse_dtypes
 from .errors import CheckpointError, FlowseamError, NotEnoughMemoryError
-from .faults import is_out_of_memory
+from .seam.faults import is_out_of_memory
 from .memory import MemoryOptions, advice, weight_bytes
 from .models import card_for_index, declared
 from .models.base import ModelCard, ModelInstance
-from .platform import Platform
+from .seam.platform import Platform
 from .request import DiffusionParams, TaskType
 from .schedulers import SERVING_DEFAULTS
 
@@ -129,8 +129,8 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
         layout the card cannot run (a loop that cannot be split, heads ``sp`` does not divide, no
         CFG branch) is refused before any weights load.
     :param verbose: let diffusers and transformers print their loading progress bars and
-        notices (off by default: :func:`flowseam.console.library_output`).
-    :param dtype: the dtype of the torch components (:mod:`flowseam.dtypes`): one for all
+        notices (off by default: :func:`flowseam.quiet.library_output`).
+    :param dtype: the dtype of the torch components (:mod:`flowseam.seam.dtypes`): one for all
         (``"bfloat16"``, ``torch.float16``), or per kind (``"dit=bfloat16,vae=float32"``,
         ``{"dit": "bfloat16"}``); None: each backend's own (cpu: float32). Weights are loaded in
         it (keep-in-float32 modules honoured), never in float32 first; a dtype the building
@@ -279,7 +279,7 @@ NOT_MODULES = ("tokenizer", "image_processor")
 
 def component_dtypes(plan: list[tuple[Any, str]], requested: dict[str, str], platform: Platform,
                      card: str) -> dict[str, str]:
-    """component name → the dtype asked for it (:func:`flowseam.dtypes.parse_dtypes`'s request
+    """component name → the dtype asked for it (:func:`flowseam.seam.dtypes.parse_dtypes`'s request
     spread over the card's kinds), each checked with the plugin that will build it.
 
     :raises InvalidInputError: a kind the card lacks, or a dtype its backend does not build.
@@ -404,7 +404,7 @@ def component_plan(root: Path, index: dict[str, Any], card: ModelCard,
     those ``model_index.json`` declares (as ``[library, class]``; ``library`` is a package or a
     diffusers pipeline module such as ``"ltx2"``) with their folder present, and the card's extra
     folders (LTX-2's ``latent_upsampler/``). Every declared class is checked against the
-    allow-list (:func:`flowseam.components.check_component_class`; ``allowed``: what installed
+    allow-list (:func:`flowseam.seam.components.check_component_class`; ``allowed``: what installed
     plugins declare) before anything is imported.
 
     :raises FlowseamError: naming every required component the checkpoint lacks and listing what

@@ -84,7 +84,7 @@ class MemoryOptions:
         vae = [cls for e, cls in plan if e.kind == "vae" and e.name == "vae"]
         if not vae:
             raise InvalidInputError(f"vae_tiling/vae_slicing: {card.name} has no vae")
-        from .components import import_class
+        from .seam.components import import_class
 
         vae_cls = import_class(vae[0])
         for option, method in (("vae_tiling", "enable_tiling"), ("vae_slicing", "enable_slicing")):

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .components import ComponentSpec
+from .seam.components import ComponentSpec
 from .errors import FlowseamError, InvalidInputError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .platform import Platform
+    from .seam.platform import Platform
 
 #: the component kind of the language model (built through ``platform.build_component``)
 LANGUAGE_MODEL = "language_model"
@@ -169,7 +169,7 @@ class PromptRefiner:
 
         :raises FlowseamError: for a missing directory or one without a ``config.json``.
         """
-        from .platform import Platform
+        from .seam.platform import Platform
 
         path = Path(path)
         if not (path / "config.json").is_file():

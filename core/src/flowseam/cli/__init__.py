@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..console import enable_notices
+from ..seam.notices import enable_notices
 from . import backends, boundary, demo, generate, models, reward_serve, serve, train
 from .boundary import EXIT_BUG, EXIT_PLUGIN_FAULT, EXIT_TERMINATED, EXIT_USAGE
 from .parsing import HelpFormatter, Parser, VersionAction
@@ -52,5 +52,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``SystemExit(2)``)."""
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what --nproc reruns on each rank
-    enable_notices()  # a backend compiling on its first call says so (flowseam.console.long_wait)
+    enable_notices()  # a backend compiling on its first call says so (flowseam.seam.long_wait)
     return boundary.run(args.func, args)

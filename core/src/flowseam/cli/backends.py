@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ..console import backend_rows, print_backend_table
+from ..seam.report import backend_rows, print_backend_table
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

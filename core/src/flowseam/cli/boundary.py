@@ -14,7 +14,7 @@ what the user sees, and the exit status.
   that is unavailable, a config that does not validate; and a pydantic ``ValidationError`` (a
   schema validated outside :func:`~flowseam.training.config.validate_config`), each error naming
   its field.
-- exit 1, ``flowseam: out of memory: ...``: :func:`~flowseam.faults.is_out_of_memory` (the
+- exit 1, ``flowseam: out of memory: ...``: :func:`~flowseam.seam.faults.is_out_of_memory` (the
   request's size, neither bad input nor a bug).
 - exit 1, the traceback, then ``flowseam: system error: ...``: an ``OSError`` (a full disk, a
   permission).
@@ -43,9 +43,11 @@ import threading
 import traceback
 from typing import Callable
 
-from ..errors import (BackendUnavailableError, FlowseamError, NotEnoughMemoryError, PluginFaultError,
-                      RewardServerError)
-from ..faults import is_out_of_memory
+from ..errors import (
+    BackendUnavailableError, FlowseamError, NotEnoughMemoryError, PluginFaultError,
+    RewardServerError,
+)
+from ..seam.faults import is_out_of_memory
 
 #: Exit statuses: 2 for bad input (an option, a file, a config, a checkpoint), 3 for a plugin that
 #: failed at run time (the message names it), 1 for a bug or the machine (out of memory, the file

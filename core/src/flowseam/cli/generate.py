@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from ..console import quiet_libraries
+from ..quiet import quiet_libraries
 from ..errors import InvalidInputError
 from .parsing import add_memory_options, add_parallel_options, memory_options
 
@@ -153,7 +153,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ..defaults import read_checkpoint_defaults
     from ..loading import check_load_options, load, read_card, resolve_checkpoint
     from ..parallel import is_rank_of, launch
-    from ..platform import Platform
+    from ..seam.platform import Platform
     from ..request import DiffusionParams, check_memory
     from ..workflows import WORKFLOWS
 

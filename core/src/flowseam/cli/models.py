@@ -24,7 +24,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     """Where the demo models are installed, and how to generate with them."""
     from pathlib import Path
 
-    from ..console import format_table, terminal_width
+    from ..seam.tables import format_table, terminal_width
     from ..demo.build import default_cache_dir, demo_models
 
     cache = Path(args.cache) if args.cache else default_cache_dir()

@@ -43,7 +43,7 @@ def version_text() -> str:
     from importlib import metadata
 
     from .. import __version__
-    from ..plugins import ENTRY_POINT_GROUP
+    from ..seam.discovery import ENTRY_POINT_GROUP
 
     dists = sorted({f"{ep.dist.metadata['Name']} {ep.dist.version}"
                     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from ..console import quiet_libraries
+from ..quiet import quiet_libraries
 from ..errors import InvalidInputError
 from .parsing import HelpFormatter
 

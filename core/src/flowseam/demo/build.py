@@ -257,7 +257,7 @@ def build_model(recipe: Recipe, cache_dir: str | os.PathLike, *, quick: bool = F
 
     :raises FlowseamError: for a recipe naming an unknown card or data kind.
     """
-    from ..platform import Platform
+    from ..seam.platform import Platform
     from ..testing.tiny import write_tiny_checkpoint
     from ..training.finetune import Finetune
     from .evaluate import evaluate_model
@@ -336,7 +336,7 @@ def build_model(recipe: Recipe, cache_dir: str | os.PathLike, *, quick: bool = F
 
 
 def _load(path: Path, platform):
-    from ..console import quiet_libraries
+    from ..quiet import quiet_libraries
     from ..loading import load
 
     quiet_libraries()

@@ -7,7 +7,7 @@ call), so discovery stays fast and works without the ``demo`` extra installed.
 
 from __future__ import annotations
 
-from ..hookspecs import hookimpl
+from ..seam.hookspecs import hookimpl
 
 
 @hookimpl

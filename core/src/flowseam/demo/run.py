@@ -118,9 +118,10 @@ def _run_demo(opts: DemoOptions) -> dict[str, Any]:
     import torch
 
     from .. import media
-    from ..console import print_backend_table, quiet_libraries
+    from ..quiet import quiet_libraries
+    from ..seam.report import print_backend_table
     from ..loading import load
-    from ..platform import Platform
+    from ..seam.platform import Platform
     from ..training.workflow_rl import WorkflowRL
     from ..workflows import Workflow
     from .build import ensure_models, read_recipes

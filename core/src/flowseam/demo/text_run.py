@@ -197,8 +197,9 @@ def run_text_demo(opts) -> dict[str, Any]:
 
 def _run_text_demo(opts, threads: int) -> dict[str, Any]:
     from .. import media
-    from ..console import print_backend_table, quiet_libraries
-    from ..platform import Platform
+    from ..quiet import quiet_libraries
+    from ..seam.report import print_backend_table
+    from ..seam.platform import Platform
     from ..training import get_reward
     from .build import ensure_models, read_recipes
     from .evaluate import serve_params

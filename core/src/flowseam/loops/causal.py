@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 import torch
 
-from ..faults import check_finite, check_velocity, component_faults
+from ..seam.faults import check_finite, check_velocity, component_faults
 from ..request import GenerationRequest
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
 from .solvers import X0_RENOISE, SolverSteps

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..faults import check_finite, check_velocity, component_faults
+from ..seam.faults import check_finite, check_velocity, component_faults
 from ..request import GenerationRequest
 from ..step_constants import reuse_across_steps
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
@@ -45,7 +45,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     :raises ValueError: for invalid requests (raised before any model runs).
     :raises PluginFaultError: when a kernel or component raises or returns something wrong (a
         wrong shape, dtype or device, non-finite values), naming the plugin, the step, the op and
-        the kernel's ``impl_id`` (:mod:`flowseam.faults`).
+        the kernel's ``impl_id`` (:mod:`flowseam.seam.faults`).
     """
     t_start = time.perf_counter()
     # 1. Check inputs: fill the card's defaults, validate, one generator per sample; switch the

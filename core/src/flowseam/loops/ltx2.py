@@ -17,7 +17,7 @@ rollout's BehaviorRecord covers both modalities; stage 2's re-noising is the ste
 ``impl_id``; the steps are numbered across the stages (stage 2 continues after stage 1's last
 index), which is also how ``sde_window`` counts them.
 
-Every step's output is checked as in the other loops (:mod:`flowseam.faults`): the DiT's velocity
+Every step's output is checked as in the other loops (:mod:`flowseam.seam.faults`): the DiT's velocity
 (a tensor of the state's shape, on its device), each kernel's output (the state's shape, dtype
 and device, finite; an SDE step's finite ``(B,)`` log-prob) and the re-noised stage-2 state; a
 failing component (encoders, DiT, upsampler, VAEs, vocoder) is named with the plugin that built
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..faults import check_finite, check_velocity, component_faults
+from ..seam.faults import check_finite, check_velocity, component_faults
 from ..request import DiffusionParams, GenerationRequest
 from ..step_constants import reuse_across_steps
 from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
@@ -65,7 +65,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
         two-stage request on a checkpoint without the latent upsampler.
     :raises PluginFaultError: when a kernel or component raises or returns something wrong (a
         wrong shape, dtype or device, non-finite values), naming the plugin, the step, the op and
-        the kernel's ``impl_id`` (:mod:`flowseam.faults`).
+        the kernel's ``impl_id`` (:mod:`flowseam.seam.faults`).
     """
     t_start = time.perf_counter()
     # 1. Check inputs before any model runs (frames 8k+1, sizes ÷ 32 or 64, the upsampler for

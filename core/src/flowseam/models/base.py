@@ -28,7 +28,7 @@ import torch
 
 from .. import runner
 from ..adapters import AdapterSet
-from ..components import compute_dtype
+from ..seam.components import compute_dtype
 from ..errors import InvalidInputError
 from ..noise import draw_noise  # noqa: F401  (re-exported: cards draw latents with it)
 from ..request import DiffusionParams, GenerationRequest, TaskType
@@ -36,7 +36,7 @@ from ..schedulers import EULER, Schedule, SolverConfig, resolve_solver
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..parallel import Parallel
-    from ..platform import Platform
+    from ..seam.platform import Platform
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Op names, their contracts, and the argument checks every implementation shares.
 
 Each op is a string constant; a backend registers callables for it (see
-:func:`flowseam.hookspecs.flowseam_register_kernels`), loops get the resolved callable from
+:func:`flowseam.seam.hookspecs.flowseam_register_kernels`), loops get the resolved callable from
 ``platform.kernels.get(op)``. :mod:`flowseam.ops.reference` holds the numpy float64 oracle each
 implementation is checked against.
 

@@ -7,7 +7,7 @@ fast and works without the optional extras installed.
 
 from __future__ import annotations
 
-from ..hookspecs import hookimpl
+from ..seam.hookspecs import hookimpl
 
 
 @hookimpl

@@ -265,7 +265,7 @@ def run(opts: RewardServeOptions) -> int:
     """
     import uvicorn
 
-    from ..console import quiet_libraries
+    from ..quiet import quiet_libraries
     from ..serve.server import bind
     from ..training import get_reward
 
@@ -289,7 +289,7 @@ def run(opts: RewardServeOptions) -> int:
         except FlowseamError:
             raise
         except Exception as exc:  # the plugin's factory failed: its fault, named as in training
-            from ..faults import describe, is_out_of_memory
+            from ..seam.faults import describe, is_out_of_memory
             from ..training.rewards import RewardComponent
 
             if is_out_of_memory(exc):

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .. import media
-from ..faults import is_out_of_memory
+from ..seam.faults import is_out_of_memory
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .jobs import Job, JobStore, new_job_id
 from .metrics import ServeMetrics

@@ -224,7 +224,7 @@ def run(opts: ServeOptions, argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from ..console import quiet_libraries
+    from ..quiet import quiet_libraries
     from ..parallel import is_rank_of, launch
     from ..workflows import WORKFLOWS
     from .api_server import build_app
@@ -293,7 +293,7 @@ def run(opts: ServeOptions, argv: list[str] | None = None) -> int:
 
 def _platforms(opts: ServeOptions) -> list:
     """The platform of each ``--model``, in order (its ``--backend``, else the detected one)."""
-    from ..platform import Platform
+    from ..seam.platform import Platform
 
     backends = opts.backends or [None]
     return [Platform(b) if b else Platform.detect()
@@ -328,7 +328,7 @@ def _load_models(opts: ServeOptions, ids: list[str], parallel: "Parallel | None"
 def _follow(opts: ServeOptions, ids: list[str], parallel: "Parallel") -> int:
     """A rank above 0 of ``flowseam serve --nproc``: load what rank 0 loads, then run what it
     sends (:func:`flowseam.serve.ranks.follow`)."""
-    from ..console import quiet_libraries
+    from ..quiet import quiet_libraries
     from .ranks import follow
 
     quiet_libraries()

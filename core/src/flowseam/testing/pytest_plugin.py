@@ -17,7 +17,7 @@ Fixtures
     is unavailable, broken or blocked is skipped with its reason; set ``FLOWSEAM_STRICT=1`` to make
     a broken plugin an error instead.
 
-    ``flowseam_registry`` (session scope): the :class:`flowseam.plugins.PluginRegistry` the
+    ``flowseam_registry`` (session scope): the :class:`flowseam.seam.discovery.PluginRegistry` the
     backends were chosen from (its own scan, honouring ``FLOWSEAM_PLUGINS`` /
     ``FLOWSEAM_DISABLE_PLUGINS``; the process-wide :func:`flowseam.discover` cache is not touched).
 
@@ -57,7 +57,7 @@ class BackendChoice:
     :ivar name: the plugin's entry-point name (the test id).
     :ivar status: ``available``, ``unavailable``, ``broken`` or ``blocked``.
     :ivar reason: why it is not available (empty when it is).
-    :ivar record: its :class:`flowseam.plugins.PluginRecord` (declarations: kernels, kinds, ...).
+    :ivar record: its :class:`flowseam.seam.discovery.PluginRecord` (declarations: kernels, kinds, ...).
     """
 
     name: str
@@ -115,7 +115,7 @@ def _state(config: pytest.Config) -> _State:
     if state is not None:
         return state
     from flowseam.errors import PluginLoadError
-    from flowseam.plugins import scan
+    from flowseam.seam.discovery import scan
 
     try:
         registry = scan()
@@ -154,7 +154,7 @@ def platform_for(config: pytest.Config, name: str) -> Any:
     if not choice.usable:
         pytest.skip(choice.skip_reason)
     if name not in state.platforms:
-        from flowseam.platform import Platform
+        from flowseam.seam.platform import Platform
 
         state.platforms[name] = Platform(name, registry=state.registry)
     return state.platforms[name]

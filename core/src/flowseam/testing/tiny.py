@@ -7,7 +7,7 @@ with the pipeline's own ``save_pretrained`` (so ``model_index.json`` and every
 with ``diffusers.DiffusionPipeline.from_pretrained(path)`` with ``HF_HUB_OFFLINE=1``.
 
 This module imports only torch, diffusers, transformers, the standard library and, of flowseam,
-the leaf :mod:`flowseam.console` (to keep the libraries quiet), so it can build fixtures for any
+the leaf :mod:`flowseam.quiet` (to keep the libraries quiet), so it can build fixtures for any
 layer of the project.
 """
 
@@ -19,7 +19,7 @@ import diffusers
 import torch
 import transformers
 
-from flowseam.console import library_output
+from flowseam.quiet import library_output
 
 __all__ = ["ALL_CARDS", "CARDS", "SCHEDULER_CLASSES", "clip_tokenizer", "t5_tokenizer",
            "write_tiny_checkpoint", "write_tiny_lm"]
@@ -166,7 +166,7 @@ def write_tiny_checkpoint(card: str, path: "str | os.PathLike[str]", *, seed: in
             ``flow_shift=3.0``); ``scheduler=`` overrides are merged into its kwargs.
         boundary_ratio: the Wan2.2 cards' expert boundary (ignored by the other cards).
         verbose: let diffusers and transformers print their progress bars and notices while
-            saving (off by default: :func:`flowseam.console.library_output`).
+            saving (off by default: :func:`flowseam.quiet.library_output`).
         **overrides: per-component config overrides, each a mapping merged into that
             component's constructor kwargs, e.g. ``transformer={"num_layers": 3}``,
             ``scheduler={"shift": 5.0}``, ``vae={"z_dim": 4}``. Accepted names:

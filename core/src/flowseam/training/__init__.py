@@ -14,7 +14,7 @@ from ..errors import InvalidInputError
 
 def _claims(attr: str) -> dict[str, list[tuple[Any, Any]]]:
     """name → [(plugin record, object)] over every usable plugin, in plugin-name order."""
-    from ..plugins import discover
+    from ..seam.discovery import discover
 
     found: dict[str, list[tuple[Any, Any]]] = {}
     for rec in sorted(discover().usable(), key=lambda r: r.name):
@@ -32,7 +32,7 @@ def _imported(rec: Any, obj: Any) -> Any:
     if not isinstance(obj, str):
         return obj
     from ..errors import PluginLoadError
-    from ..plugins import _entry_point_value_loader
+    from ..seam.discovery import _entry_point_value_loader
 
     try:
         value = _entry_point_value_loader(rec.name, obj)()  # resolved as an entry point's value

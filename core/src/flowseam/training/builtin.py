@@ -14,7 +14,7 @@ not pay for it. The class is imported when the method is first asked for
 
 from __future__ import annotations
 
-from ..hookspecs import hookimpl
+from ..seam.hookspecs import hookimpl
 
 
 @hookimpl

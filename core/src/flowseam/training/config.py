@@ -125,8 +125,8 @@ MixedPrecision = typing.Literal["no", "bf16", "fp16"]
 
 def _dtype_request(value: Any) -> Any:
     """A config's ``dtype`` (a name, ``"KIND=DTYPE,..."`` or a table), checked as
-    :func:`flowseam.dtypes.parse_dtypes` checks it; kept as given."""
-    from ..dtypes import parse_dtypes
+    :func:`flowseam.seam.dtypes.parse_dtypes` checks it; kept as given."""
+    from ..seam.dtypes import parse_dtypes
 
     parse_dtypes(value)
     return value

@@ -52,7 +52,7 @@ from ..errors import FlowseamError, InvalidInputError
 from .config import ConfigSection, validate_config
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..platform import Platform
+    from ..seam.platform import Platform
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class DataParallel:
         """
         if self.world_size == 1:
             return resolve()
-        from ..platform import Platform
+        from ..seam.platform import Platform
 
         platform = resolve() if self.is_main else None
         (frozen,) = self.broadcast_objects([platform.to_dict() if platform is not None else None])

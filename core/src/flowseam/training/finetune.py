@@ -50,7 +50,7 @@ import torch
 from ..errors import FlowseamError, InvalidInputError
 from ..loading import load
 from ..models.base import Conditioning, ModelInstance
-from ..platform import Platform
+from ..seam.platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, run_training
 from .config import (

@@ -81,7 +81,7 @@ class RolloutWorker:
     def __init__(self, platform: dict[str, Any], checkpoint: str, lora: dict[str, Any] | None,
                  torch_threads: int | None) -> None:
         from ..loading import load
-        from ..platform import Platform
+        from ..seam.platform import Platform
         from .common import _add_lora
 
         if torch_threads:
@@ -98,11 +98,11 @@ class RolloutWorker:
         rebuilt platform's dict, and whether this process ever scanned the plugin entry points."""
         import time
 
-        from .. import plugins
+        from ..seam import discovery
 
         return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
                 "cpu_seconds": time.process_time(), "platform": self.platform.to_dict(),
-                "discovered_plugins": plugins._CACHE is not None}
+                "discovered_plugins": discovery._CACHE is not None}
 
     def apply(self, update: "WeightUpdate") -> int:
         """Verify and apply one weight update; returns the version now held."""

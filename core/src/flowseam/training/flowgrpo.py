@@ -85,7 +85,7 @@ from ..errors import FlowseamError
 from ..loading import load
 from ..loops import ExecutionProfile, run_loop
 from ..models.base import ModelInstance
-from ..platform import Platform
+from ..seam.platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training
 from .config import (

@@ -68,7 +68,7 @@ from ..loading import load, read_json, resolve_checkpoint
 from ..loops import LoopResult
 from ..models import card_for_index
 from ..models.base import ModelInstance
-from ..platform import Platform
+from ..seam.platform import Platform
 from ..request import TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
 from .config import (

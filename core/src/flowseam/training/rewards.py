@@ -54,13 +54,9 @@ import torch
 from pydantic import Field
 
 from ..errors import (
-    FlowseamError,
-    InvalidInputError,
-    PluginFaultError,
-    RewardFaultError,
-    RewardServerError,
+    FlowseamError, InvalidInputError, PluginFaultError, RewardFaultError, RewardServerError,
 )
-from ..faults import describe, is_out_of_memory
+from ..seam.faults import describe, is_out_of_memory
 from .config import Name
 
 #: Seconds one reward call may take by default (``reward_timeout`` in a config).

@@ -80,7 +80,7 @@ from ..errors import FlowseamError
 from ..loading import load
 from ..loops import ExecutionProfile, run_loop
 from ..models.base import ModelInstance
-from ..platform import Platform
+from ..seam.platform import Platform
 from ..refiner import PromptRefiner, RefinerSampling, check_template
 from ..request import GenerationRequest, TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated

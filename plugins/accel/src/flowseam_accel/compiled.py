@@ -76,7 +76,7 @@ class Timed:
     """Calls ``fn`` and books its seconds under ``name`` as compile or run time (module
     docstring); same arguments, same result, exceptions propagate. When flowseam's notices are
     on (the ``flowseam`` command), the first call with each input signature is announced with
-    :func:`flowseam.console.long_wait`: a cold compile takes minutes on a small CPU."""
+    :func:`flowseam.seam.long_wait`: a cold compile takes minutes on a small CPU."""
 
     def __init__(self, name: str, fn: Callable) -> None:
         self.name, self.fn = name, fn
@@ -84,7 +84,7 @@ class Timed:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from flowseam.console import long_wait, notices_enabled
+        from flowseam.seam import long_wait, notices_enabled
 
         if notices_enabled():
             sig = signature(args, kwargs)

@@ -36,8 +36,7 @@ vocoder and latent upsampler) is not declared and falls back to cpu, which the p
 from __future__ import annotations
 
 import torch
-from flowseam import ComponentSpec
-from flowseam.components import instantiate
+from flowseam.seam import ComponentSpec, instantiate
 
 from .compiled import time_methods
 from .device import torch_device
@@ -47,7 +46,7 @@ def build_dit(spec: ComponentSpec) -> torch.nn.Module:
     """``spec``'s transformer in float32 on accel's device, its repeated blocks compiled in place
     (module docstring), its ``forward`` timed as ``"dit:<name>"`` (``compile_report``).
 
-    :raises FlowseamError: from :func:`flowseam.components.instantiate` (class or files).
+    :raises FlowseamError: from :func:`flowseam.seam.components.instantiate` (class or files).
     """
     module = instantiate(spec, device=str(torch_device()), dtype=torch.float32)
     return compile_repeated_blocks(module, f"dit:{spec.name}")
@@ -78,7 +77,7 @@ def build_vae(spec: ComponentSpec) -> torch.nn.Module | None:
     ``"vae:<name>.encode"`` / ``".decode"``; None (declined: cpu builds it) for a VAE class with
     neither submodule.
 
-    :raises FlowseamError: from :func:`flowseam.components.instantiate` (class or files).
+    :raises FlowseamError: from :func:`flowseam.seam.components.instantiate` (class or files).
     """
     module = instantiate(spec, device=str(torch_device()), dtype=torch.float32)
     parts = [p for p in (getattr(module, "encoder", None), getattr(module, "decoder", None))

@@ -1,4 +1,4 @@
-"""accel's hook implementations (contracts: :mod:`flowseam.hookspecs`). flowseam imports this
+"""accel's hook implementations (contracts: :mod:`flowseam.seam.hookspecs`). flowseam imports this
 module through the entry point ``accel = "flowseam_accel.plugin"`` and calls each hook once,
 while plugins are discovered or a Platform is built, never during denoising. Nothing here fails
 on a host without the hardware: :func:`flowseam_backend_available` says why it is unusable.
@@ -6,14 +6,14 @@ on a host without the hardware: :func:`flowseam_backend_available` says why it i
 
 from __future__ import annotations
 
-from flowseam import (
+from flowseam import ops
+from flowseam.seam import (
     Availability,
     BackendInfo,
     ComponentSpec,
     ConformanceExpectations,
     KernelRegistration,
     hookimpl,
-    ops,
 )
 
 from . import components, kernels

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import torch
-from flowseam import Availability, BackendInfo, ComponentSpec, KernelRegistration, hookimpl, ops
-from flowseam.components import instantiate
-from flowseam.dtypes import torch_dtype
+from flowseam import ops
+from flowseam.seam import (
+    Availability,
+    BackendInfo,
+    ComponentSpec,
+    KernelRegistration,
+    hookimpl,
+    instantiate,
+    torch_dtype,
+)
 from flowseam.ops import eager as kernels  # the eager-torch implementation of every op contract
 
 from .ltx2 import speed_up_ltx2

@@ -28,8 +28,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from flowseam import ComponentSpec
-from flowseam.components import instantiate
+from flowseam.seam import ComponentSpec, instantiate
 
 from .device import torch_device
 

@@ -1,4 +1,4 @@
-"""The cuda backend's hook implementations (contracts in :mod:`flowseam.hookspecs`).
+"""The cuda backend's hook implementations (contracts in :mod:`flowseam.seam.hookspecs`).
 
 This module must import on every machine: it imports torch and flowseam only; cupy is imported
 by the kernels on first use, and only after :func:`flowseam_backend_available` said yes.
@@ -6,15 +6,15 @@ by the kernels on first use, and only after :func:`flowseam_backend_available` s
 
 from __future__ import annotations
 
-import flowseam
-from flowseam import (
+import flowseam.seam
+from flowseam import ops
+from flowseam.seam import (
     Availability,
     BackendInfo,
     ComponentSpec,
     KernelRegistration,
     hookimpl,
     hookspecs,
-    ops,
 )
 
 from . import components, cupy_kernels, torch_kernels
@@ -85,4 +85,4 @@ if hasattr(hookspecs, "flowseam_conformance_expectations"):
     @hookimpl
     def flowseam_conformance_expectations():
         # the cupy kernels take CUDA tensors; component kinds: the defaults (declared = built here)
-        return flowseam.ConformanceExpectations(torch_device=str(torch_device()))
+        return flowseam.seam.ConformanceExpectations(torch_device=str(torch_device()))

@@ -51,7 +51,7 @@ rungs of other hosts are skipped with the reason):
   (``platform.kernels.pin(record.impl_id)``): the PPO ratio is 1 within 1e-6.
 
 Expectations and expected failures: a backend implements the hook
-:func:`flowseam.hookspecs.flowseam_conformance_expectations` (see
+:func:`flowseam.seam.hookspecs.flowseam_conformance_expectations` (see
 :class:`flowseam.ConformanceExpectations`); the file format is in
 :mod:`flowseam.testing.conformance.expectations`. ``docs/writing-a-backend.md`` walks through it.
 

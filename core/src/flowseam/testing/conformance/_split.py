@@ -140,7 +140,7 @@ def main(spec_path: str) -> None:
     import torch.distributed as dist
 
     from flowseam import ops
-    from flowseam.platform import Platform
+    from flowseam.seam.platform import Platform
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flowseam import ops
-from flowseam.declarations import Provenance
+from flowseam.seam.declarations import Provenance
 from flowseam.models import CARDS as MODEL_CARDS
 from flowseam.ops.reference import TOLERANCES
 from flowseam.request import DiffusionParams, GenerationRequest
@@ -572,7 +572,7 @@ def describe_failed_call(component: Any, method: str, args: tuple, kwargs: dict,
     """Why a call the serve loop made into a backend's component failed, in the suite's words:
     the component, its parameters' dtypes, the dtypes it was given, and — for a dtype mismatch —
     what a reduced-precision component must do."""
-    from flowseam.components import module_dtype
+    from flowseam.seam.components import module_dtype
 
     have = module_dtype(component) or "no parameters"
     given = ", ".join(sorted(_float_dtypes([args, kwargs]))) or "no floating-point tensors"
@@ -583,7 +583,7 @@ def describe_failed_call(component: Any, method: str, args: tuple, kwargs: dict,
     if "dtype" in words or "scalar type" in words:
         text += (". A component built in reduced precision must accept the inputs the loop "
                  "and other callers hand it (float32 among them): cast them in a forward "
-                 "pre-hook, e.g. flowseam.components.cast_inputs(module) "
+                 "pre-hook, e.g. flowseam.seam.components.cast_inputs(module) "
                  "(docs/writing-a-backend.md, section 5)")
     return text
 

@@ -73,7 +73,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 @pytest.fixture(scope="session")
 def reference_platform(flowseam_registry: Any) -> Any:
     """The cpu backend's platform: what every other build and output is compared with."""
-    from flowseam.platform import Platform
+    from flowseam.seam.platform import Platform
 
     rec = flowseam_registry.records.get("cpu")
     if rec is None or not rec.usable:

@@ -1,6 +1,6 @@
 """What a backend promises the conformance suite, and its file of expected failures.
 
-A backend answers the hook :func:`flowseam.hookspecs.flowseam_conformance_expectations` with a
+A backend answers the hook :func:`flowseam.seam.hookspecs.flowseam_conformance_expectations` with a
 :class:`flowseam.ConformanceExpectations`; :func:`resolve` fills in the defaults from the
 backend's declarations, and :meth:`Expectations.mark_expected_failures` applies the
 expected-failures file to the collected tests.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from flowseam.components import KINDS as ALL_KINDS  # every kind flowseam's cards use
+from flowseam.seam.components import KINDS as ALL_KINDS  # every kind flowseam's cards use
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def resolve(record: Any, registry: Any) -> Expectations:
     :raises TypeError: if the hook returns something other than ConformanceExpectations/None.
     :raises ValueError, OSError: for a malformed or unreadable expected-failures file.
     """
-    from flowseam.declarations import ConformanceExpectations
+    from flowseam.seam.declarations import ConformanceExpectations
 
     answer = registry.call(record, "flowseam_conformance_expectations")
     if answer is not None and not isinstance(answer, ConformanceExpectations):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowseam.components import compute_dtype
+from flowseam.seam.components import compute_dtype
 
 from flowseam.testing.conformance._support import (
     built_component_cases,

@@ -24,8 +24,10 @@ import contextlib
 import sys
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .errors import (ComponentFaultError, FlowseamError, KernelArgumentError, KernelFaultError,
-                     NotEnoughMemoryError)
+from ..errors import (
+    ComponentFaultError, FlowseamError, KernelArgumentError, KernelFaultError,
+    NotEnoughMemoryError,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .components import ComponentRecord

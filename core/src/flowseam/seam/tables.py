@@ -1,11 +1,5 @@
 """Plain-text tables: what ``Platform.explain()``, ``flowseam backends`` and ``flowseam models``
-print.
-
-A seam module of its own (text in, lines out; it imports nothing of flowseam) so that
-:mod:`flowseam.platform` can lay out its report while :mod:`flowseam.console`, the CLI's shared
-output, stands above the platform it reports on. ``flowseam.console.format_table`` is this
-function, re-exported.
-"""
+print (text in, lines out; it imports nothing of flowseam)."""
 
 from __future__ import annotations
 
@@ -61,3 +55,13 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], width: in
         if cells == list(header):
             lines.append("-" * min(width, max(len(x) for x in lines)))
     return lines
+
+
+def terminal_width(default: int = 100) -> int:
+    """The width to format tables for: the terminal's when stdout is one, else ``default``."""
+    import shutil
+    import sys
+
+    if sys.stdout.isatty():
+        return max(60, shutil.get_terminal_size((default, 24)).columns)
+    return default

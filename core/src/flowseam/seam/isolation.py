@@ -35,7 +35,7 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 #: Seconds discovery waits for one plugin's import (and for each of its hook calls).
 DEFAULT_TIMEOUT = 60.0

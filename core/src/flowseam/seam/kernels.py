@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .declarations import Provenance
-from .errors import KernelPinError, PluginFaultError, UnknownOpError
+from ..errors import KernelPinError, PluginFaultError, UnknownOpError
 from .faults import describe, is_out_of_memory, kernel_fault
 
 
 class BoundKernel:
-    """A kernel implementation with its :class:`~flowseam.declarations.Provenance`.
+    """A kernel implementation with its :class:`~flowseam.seam.declarations.Provenance`.
 
     Calling it calls the implementation directly (one Python call of overhead, and a ``try``
     that costs nothing unless the kernel raises).
@@ -27,7 +27,7 @@ class BoundKernel:
     :raises KernelFaultError: when the implementation raises anything (a wrong signature gives a
         ``TypeError``, a crash any exception): the error names the plugin, distribution, op and
         ``impl_id``, with the original as ``__cause__`` (out-of-memory errors pass unchanged:
-        :func:`flowseam.faults.is_out_of_memory`). A ``ValueError`` (the op contract's
+        :func:`flowseam.seam.faults.is_out_of_memory`). A ``ValueError`` (the op contract's
         rejection of bad arguments) becomes a :class:`~flowseam.errors.KernelArgumentError`,
         which is still a ``ValueError``.
     """

@@ -6,12 +6,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """What :func:`~flowseam.hookspecs.flowseam_backend` returns.
+    """What :func:`~flowseam.seam.hookspecs.flowseam_backend` returns.
 
     :param device: the flowseam device this backend serves (``"cpu"``, ``"cuda"``, ``"accel"``,
         ...). Several plugins may serve one device; their kernels and components pool.
@@ -33,7 +33,7 @@ class BackendInfo:
 
 
 class Availability(NamedTuple):
-    """What :func:`~flowseam.hookspecs.flowseam_backend_available` returns."""
+    """What :func:`~flowseam.seam.hookspecs.flowseam_backend_available` returns."""
 
     ok: bool
     reason: str = ""
@@ -63,7 +63,7 @@ class KernelRegistration:
 
 @dataclass(frozen=True)
 class ConformanceExpectations:
-    """What :func:`~flowseam.hookspecs.flowseam_conformance_expectations` returns: what a backend
+    """What :func:`~flowseam.seam.hookspecs.flowseam_conformance_expectations` returns: what a backend
     promises flowseam's conformance suite beyond its declarations.
 
     Every field is optional; ``None`` means "derive it from the declarations" (see each field).

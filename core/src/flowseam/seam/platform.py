@@ -1,7 +1,7 @@
 """Platform: the resolved choice of backend for this process.
 
 A Platform is built once from the discovered plugins: a device chain ending in ``"cpu"``
-(``accel → cpu``), an arch chain per device, a frozen :class:`~flowseam.kernels.KernelTable`,
+(``accel → cpu``), an arch chain per device, a frozen :class:`~flowseam.seam.kernels.KernelTable`,
 and a component builder that walks the device chain. Everything device-specific that loops and
 training methods need is reached through it::
 
@@ -22,11 +22,11 @@ from typing import Any
 
 from .components import MODULE_KINDS, ComponentRecord, ComponentSpec, module_dtype
 from .declarations import Provenance
-from .errors import BackendUnavailableError, ComponentBuildError, FlowseamError, InvalidInputError
+from ..errors import BackendUnavailableError, ComponentBuildError, FlowseamError, InvalidInputError
 from .faults import component_fault, describe, is_out_of_memory
 from .isolation import patch_watch
 from .kernels import BoundKernel, KernelTable
-from .plugins import PluginRecord, PluginRegistry, discover, load_without_discovery
+from .discovery import PluginRecord, PluginRegistry, discover, load_without_discovery
 from .tables import format_table
 
 TERMINAL_DEVICE = "cpu"
@@ -59,7 +59,7 @@ class Platform:
     """The backend choice of this process. See the module docstring.
 
     :param name: a backend's plugin name (``"cpu"``, ``"accel"``, ``"cuda"``) or its device name.
-    :param registry: the plugin registry to use (default: :func:`flowseam.plugins.discover`).
+    :param registry: the plugin registry to use (default: :func:`flowseam.seam.discovery.discover`).
     :raises BackendUnavailableError: if ``name`` is unknown, blocked, broken or unavailable; the
         message lists every backend and why each unusable one is unusable.
     """
@@ -145,7 +145,7 @@ class Platform:
         :raises ComponentFaultError: if a plugin's builder raises (other than a
             :class:`FlowseamError`, such as a checkpoint error, which passes unchanged) or returns
             something that is not a component (a string; anything but a ``torch.nn.Module`` for
-            the kinds in :data:`flowseam.components.MODULE_KINDS`), naming the plugin.
+            the kinds in :data:`flowseam.seam.components.MODULE_KINDS`), naming the plugin.
         """
         reasons: list[str] = []
         for i, device in enumerate(self.device_chain):

@@ -29,9 +29,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 import pluggy
 
-from . import hookspecs, ops
+from . import hookspecs
+from .. import ops
 from .declarations import Availability, BackendInfo, KernelRegistration
-from .errors import InvalidInputError, PluginLoadError
+from ..errors import InvalidInputError, PluginLoadError
 from .isolation import patch_watch, plugin_timeout, run_plugin_code
 
 ENTRY_POINT_GROUP = "flowseam.plugins"
@@ -65,7 +66,7 @@ class PluginRecord:
     methods: dict[str, Any] = field(default_factory=dict)
     rewards: dict[str, Any] = field(default_factory=dict)
     plugin: Any = None  # the registered module/object
-    #: torch globals its code replaced (flowseam.isolation.patch_watch), e.g.
+    #: torch globals its code replaced (flowseam.seam.isolation.patch_watch), e.g.
     #: ``"torch.nn.functional.scaled_dot_product_attention (import)"``
     patches: list[str] = field(default_factory=list)
 
@@ -178,8 +179,8 @@ class PluginRegistry:
         """Import, register, validate and interrogate one plugin; never raises for a bad plugin.
 
         The plugin's import and its hook calls run through
-        :func:`flowseam.isolation.run_plugin_code` (timeout, ``os._exit`` and stdout guarded)
-        and :func:`flowseam.isolation.patch_watch` (torch globals it replaces are recorded).
+        :func:`flowseam.seam.isolation.run_plugin_code` (timeout, ``os._exit`` and stdout guarded)
+        and :func:`flowseam.seam.isolation.patch_watch` (torch globals it replaces are recorded).
         """
         rec = PluginRecord(name=name, value=value, distribution=distribution, version=version)
         self.records[name] = rec
@@ -278,7 +279,7 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
 
 
 def _dtype_table(result: Any) -> dict[str, tuple[str, ...]]:
-    """``flowseam_component_dtypes()``'s mapping, every dtype checked (:mod:`flowseam.dtypes`)."""
+    """``flowseam_component_dtypes()``'s mapping, every dtype checked (:mod:`flowseam.seam.dtypes`)."""
     from .dtypes import dtype_name
 
     if result is None:

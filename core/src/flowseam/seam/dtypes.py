@@ -3,7 +3,7 @@
 
 A request names one dtype for every torch component (``"bfloat16"``), or one per component kind
 (``"dit=bfloat16,vae=float32"``; ``{"dit": "bfloat16", "vae": "float32"}``; ``"*"`` for the
-kinds not named). The kinds are those of the card (:data:`flowseam.components.KINDS`: ``dit``
+kinds not named). The kinds are those of the card (:data:`flowseam.seam.components.KINDS`: ``dit``
 covers every DiT expert of a Wan2.2 checkpoint). Each component is then loaded by its backend in
 that dtype — with diffusers' and transformers' own ``from_pretrained(torch_dtype=...)``, so a
 model's keep-in-float32 modules stay float32 and no float32 copy is made first — and a backend
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 #: the dtypes a component can be asked for, as torch names them
 DTYPES = ("float32", "bfloat16", "float16")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import CheckpointError, FlowseamError, InvalidInputError, UntrustedComponentError
+from ..errors import CheckpointError, FlowseamError, InvalidInputError, UntrustedComponentError
 
 #: Component kinds flowseam's cards use; a backend declares the ones it builds
 #: (``flowseam_component_kinds``) and every other kind falls back to cpu:
@@ -150,7 +150,7 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
             kwargs["dtype" if cls.__module__.startswith("transformers") else "torch_dtype"] = dtype
             cast = False
         try:
-            # a diffusers model converted on load: one tensor at a time (flowseam.weights)
+            # a diffusers model converted on load: one tensor at a time (flowseam.seam.weights)
             obj = _load_converted(cls, folder, dtype) if dtype is not None and is_module else None
             if obj is None:
                 obj = cls.from_pretrained(spec.path, **kwargs)
@@ -177,7 +177,7 @@ def instantiate(spec: ComponentSpec, device: str = "cpu", dtype: Any = None) -> 
 
 
 def _load_converted(cls: type, folder: Path, dtype: Any) -> Any:
-    """:func:`flowseam.weights.load_converted` for a diffusers model class, else None."""
+    """:func:`flowseam.seam.weights.load_converted` for a diffusers model class, else None."""
     try:
         from diffusers import ModelMixin
     except ImportError:  # pragma: no cover - diffusers is a dependency
