@@ -78,7 +78,7 @@ def main() -> None:
     t_wrapped = min(timeit.repeat(lambda: wrapped(x, v, sigma, sigma_next), number=number, repeat=7))
     wrapper = (t_wrapped - t_noop) / number
     # the loop's output check after each step (shape, dtype, device, one sum: its finiteness)
-    from flowseam.seam.faults import check_step
+    from flowseam.loops.checks import check_step
 
     out = step(x, v, sigma, sigma_next)
     t_check = min(timeit.repeat(lambda: check_step(None, 0, step, x, v, out, sigma, sigma_next),

@@ -1,4 +1,4 @@
-"""Cost of the loops' per-step output check (``flowseam.seam.faults.check_step``) on the success path.
+"""Cost of the loops' per-step output check (``flowseam.loops.checks.check_step``) on the success path.
 
 Two comparisons, each timed in alternating blocks in one process (medians and minimums):
 
@@ -26,7 +26,7 @@ import torch
 
 import flowseam
 from flowseam import ops
-from flowseam.seam.faults import check_step
+from flowseam.loops.checks import check_step
 
 
 def alternate(fns: dict, repeats: int, calls: int) -> dict[str, list[float]]:

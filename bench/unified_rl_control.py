@@ -1,7 +1,7 @@
 """Does unified_rl (prompt refiner + generator, one reward) beat a constant-reward control on
 held-out requests of the digits world?
 
-The refiner is :mod:`flowseam.demo.refiner`'s tiny GPT-2, pretrained from scratch with the
+The refiner is :mod:`flowseam.demo.refiner_lm`'s tiny GPT-2, pretrained from scratch with the
 causal-LM loss on noisy (request, prompt) pairs (``--noise`` of the targets name a random digit,
 and independently a random direction), so it maps a loose request ("draw me a 7 sliding to the
 left") to the generators' prompt language only part of the time. The generator is the demo's
@@ -65,9 +65,9 @@ def main() -> None:
     from flowseam.quiet import quiet_libraries
     from flowseam.demo.build import ensure_models, read_recipes
     from flowseam.demo.evaluate import serve_params
-    from flowseam.demo.refiner import build_refiner, request_split, rewrite_accuracy
+    from flowseam.demo.refiner_lm import build_refiner, request_split, rewrite_accuracy
     from flowseam.demo.run import EVAL_SEED_BASE, RL_CONFIG, apply_overrides, default_threads, rl_config
-    from flowseam.refiner import PromptRefiner
+    from flowseam.prompt_refiner import PromptRefiner
     from flowseam.training import get_reward
     from flowseam.training.unified_rl import UnifiedRL
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import flowseam
 from flowseam import DiffusionParams, FlowseamError
-from flowseam.adapters import LoraSpec, normalize_lora
+from flowseam.models.adapters import LoraSpec, normalize_lora
 from conftest import run_main
 from test_checkpoint_parity import CALLS, TOL, _diff, _image, ours
 from test_checkpoint_parity import checkpoints, cpu  # noqa: F401  (the fixtures, shared)
@@ -216,9 +216,10 @@ def test_hotswap_slot_gives_the_named_adapters_output(checkpoints, loras, cpu):
     path = checkpoints.base("wan-t2v")
     sets = _sets("wan-t2v", path, loras)
     model = flowseam.load(path, platform=cpu, quiet=True)
-    from flowseam.adapters import AdapterSet
+    from flowseam.models.adapters import AdapterSet
 
-    model._adapters = AdapterSet(model, hotswap=True)
+    model._adapters = AdapterSet(model.card.name, model.card.pipeline_class, model.experts,
+                                 hotswap=True)
     for file, _, _ in sets:
         model.adapters.load(file)
     result = generate(model, "wan-t2v", lora=_specs(sets))

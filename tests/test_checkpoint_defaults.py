@@ -15,7 +15,7 @@ import pytest
 import flowseam
 from flowseam import DiffusionParams, FlowseamError
 from flowseam.cli import main
-from flowseam.defaults import FILENAME, read_checkpoint_defaults
+from flowseam.checkpoint_defaults import FILENAME, read_checkpoint_defaults
 from flowseam.testing.tiny import write_tiny_checkpoint
 
 SERVE = {"num_steps": 2, "height": 32, "width": 48, "max_sequence_length": 16}

@@ -347,7 +347,7 @@ def test_wan22_switches_experts_at_the_boundary_as_diffusers_does(checkpoints, c
     path = checkpoints.variant("wan22-t2v", "two_experts", UNIPC(flow_shift=3.0))
     model = flowseam.load(path, platform=cpu, quiet=True)
     assert list(model.experts) == ["transformer", "transformer_2"]
-    assert model.boundary_timestep == 875.0
+    assert model.experts.boundary_timestep == 875.0
     assert {r.kind for n, r in model.component_records.items() if n.startswith("transformer")} == {"dit"}
     result = ours(path, "wan22-t2v", cpu)
     config = json.loads((path / "scheduler" / "scheduler_config.json").read_text())

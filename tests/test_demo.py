@@ -204,7 +204,7 @@ def test_demo_smoke_builds_once_then_reuses_the_cache(tmp_path, capsys):
     assert summary["trained_models"] == {s: str(out / "rl" / s / "model") for s in ("t2i", "i2v")}
     assert f"trained t2i model: {out / 'rl' / 't2i' / 'model'}" in first
     assert {"reward_before", "reward_after", "generated_digit_accuracy_before"} <= set(summary)
-    from flowseam.defaults import read_checkpoint_defaults
+    from flowseam.checkpoint_defaults import read_checkpoint_defaults
     from flowseam.demo.build import read_recipes
 
     recipes = read_recipes()

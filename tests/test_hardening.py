@@ -303,7 +303,7 @@ def test_running_out_of_memory_is_not_a_plugin_fault():
 def test_the_step_check_is_one_sum_and_never_a_false_alarm():
     """The loops' finiteness test is one sum: a sum that overflows (finite float16 values) falls
     back to the element-wise test instead of raising; one NaN anywhere is still caught."""
-    from flowseam.seam.faults import check_step
+    from flowseam.loops.checks import check_step
 
     kernel = flowseam.Platform("cpu").kernels.get(flowseam.ops.FLOW_MATCH_STEP)
     latents = torch.full((4, 1024), 60000.0, dtype=torch.float16)

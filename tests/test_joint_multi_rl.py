@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import flowseam
+from flowseam.models.experts import Experts
 from flowseam import FlowseamError
 from flowseam.testing.tiny import write_tiny_checkpoint
 from flowseam.training.joint_multi_rl import JointMultiRL, check_expert_map
@@ -145,7 +146,8 @@ def test_the_step_expert_map_is_asserted_at_replay(ckpt, cpu):
     _, results, _, _ = j.rollout(0)
     assert [r.expert for r in results[0].records] == results[0].experts == _expert_of_each_step()
     check_expert_map(j.model, results[0])
-    j.model.pipeline_config["boundary_ratio"] = 0.1  # another boundary: step 1 is transformer's now
+    # another boundary (0.1 * 1000): step 1 is transformer's now
+    j.model.experts = Experts(j.model.card.experts, j.model.components, 100.0, j.model.card.name)
     with pytest.raises(FlowseamError, match=r"step 1 .* recorded as produced by 'transformer_2', but "
                                             r"wan2.2-t2v assigns it to 'transformer'"):
         check_expert_map(j.model, results[0])

@@ -1,28 +1,28 @@
 """Layout: flowseam's modules and the in-repo backends import each other without circles, and
-every module stands in a layer and imports nothing above it.
+every module stands in a layer and imports nothing above it. docs/architecture.md draws the same
+layers.
 
 The layers, lowest first (a module imports only from its own layer or the ones below):
 
-1. **seam**: what everything else stands on: errors, ops (names, contracts, the numpy oracle),
-   kernels, plugins, hookspecs, declarations, components, platform, attention, request (and the
-   request's policy values, :mod:`flowseam.policies`), schedulers, noise, faults, media, console,
-   ... No model, no loop.
-2. **models**: :mod:`flowseam.models` (cards and the instances that run them) and
-   :mod:`flowseam.adapters`, the model's LoRA sets (``model.adapters`` switches the model's own
-   DiT experts; it reads the model through a Protocol, so :mod:`flowseam.models.base` can build it).
-3. **loops**: :mod:`flowseam.loops` (one module per loop family, the helpers they share). The
-   loops drive the models; ``ModelInstance.generate`` reaches them through :mod:`flowseam.runner`,
-   a seam-level registry the loops package fills when it is imported.
-4. **users**: training, serve, the CLI, demo, workflows, refiner, the loader that builds a
-   runnable model (:mod:`flowseam.loading`), the shipped test suites (:mod:`flowseam.testing`),
-   the package ``flowseam`` itself (the public API: its names of higher layers are imported on
-   first access) and the backend plugins (``flowseam_cpu``, ``flowseam_cuda``, ``flowseam_accel``:
-   core finds them through the entry-point group and never imports them; a backend stands on the
-   seam only, :func:`test_backends_stand_on_the_seam`).
+1. **seam** (:mod:`flowseam.seam`, :mod:`flowseam.ops`, :mod:`flowseam.errors`): the plugin
+   contract and its resolution — hook specs, declarations, discovery, the Platform with its
+   kernel and component tables, plugin faults — the ops' contracts and their numpy oracle, and
+   the errors every layer raises.
+2. **runtime** (the modules at the root of ``flowseam``): what a model run is made of —
+   requests, schedulers, attention routing, memory, parallelism, media, noise.
+3. **loops** (:mod:`flowseam.loops`): one module per loop family; a loop drives a model's step
+   bodies without importing the models.
+4. **models** (:mod:`flowseam.models`, :mod:`flowseam.loading`, :mod:`flowseam.workflows`): the
+   cards, the instances that run them (``model.generate`` calls the loop), loading a checkpoint
+   into one, and workflows of several.
+5. **users**: training, serving, the CLI, the demo, the rewards, the shipped test suites
+   (:mod:`flowseam.testing`), the package ``flowseam`` itself (the public API: its names of
+   higher layers are imported on first access) and the backend plugins, which stand on the seam
+   alone (:func:`test_backends_import_the_seam_only`).
 
-Inside a layer modules may import each other, in one direction (no circles). :data:`LAYER`
-places every module; a module it does not place fails :func:`test_every_module_has_a_layer`, so
-a new module is placed when it is added.
+Inside a layer modules may import each other, in one direction (no circles); loops never import
+each other. :data:`LAYER` places every module; a module it does not place fails
+:func:`test_every_module_has_a_layer`, so a new module is placed when it is added.
 
 Every import counts: at module level, inside functions (lazy) and under ``if TYPE_CHECKING:``
 (a type-only import is still a dependency a reader and a type checker follow), and importing
@@ -32,6 +32,7 @@ Every import counts: at module level, inside functions (lazy) and under ``if TYP
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,9 +41,9 @@ PACKAGES = [REPO / "core" / "src" / "flowseam",
             *sorted((REPO / "plugins").glob("*/src/flowseam_*/"))]
 BACKENDS = ("flowseam_cpu", "flowseam_cuda", "flowseam_accel")
 
-SEAM, MODELS, LOOPS, USERS = "seam", "models", "loops", "users"
+SEAM, RUNTIME, LOOPS, MODELS, USERS = "seam", "runtime", "loops", "models", "users"
 #: the layers, lowest first
-ORDER = (SEAM, MODELS, LOOPS, USERS)
+ORDER = (SEAM, RUNTIME, LOOPS, MODELS, USERS)
 
 #: module → its layer. ``pkg.*`` stands for the package ``pkg`` and every module under it; a
 #: plain name for that module only (so a new top-level module of flowseam must be placed here).
@@ -52,34 +53,33 @@ LAYER = {
     "flowseam.ops.*": SEAM,             # op names and contracts, the numpy oracle, eager refs
     "flowseam.errors": SEAM,            # the errors every layer raises
     "flowseam._moved": SEAM,            # old import paths, kept for one release
-    "flowseam.quiet": SEAM,             # the libraries' output kept quiet
-    "flowseam.attention": SEAM,         # the attention route the DiTs' processors call
-    "flowseam.causal_attention": SEAM,  # block-causal masks and the KV cache's attention
-    "flowseam.parallel": SEAM,          # sequence/CFG parallelism: process groups, split hooks
-    "flowseam.step_constants": SEAM,
-    "flowseam.noise": SEAM,
-    "flowseam.media": SEAM,
-    "flowseam.policies": SEAM,          # parsing of the request's lora / cache values
-    "flowseam.memory": SEAM,            # offload, VAE tiling / slicing options and helpers
-    "flowseam.request": SEAM,
-    "flowseam.schedulers": SEAM,        # a checkpoint's scheduler config → solver, sigmas
-    "flowseam.defaults": SEAM,          # the precedence of serving defaults (plain data)
-    "flowseam.runner": SEAM,            # the loops' entry points, registered by the loops
-    # -- models -------------------------------------------------------------------------------
-    "flowseam.models.*": MODELS,
-    "flowseam.adapters": MODELS,        # the model's LoRA sets: drives its DiT experts
+    # -- runtime: the root modules --------------------------------------------------------------
+    "flowseam.attention": RUNTIME,         # the attention route the DiTs' processors call
+    "flowseam.causal_attention": RUNTIME,  # block-causal masks and the KV cache's attention
+    "flowseam.checkpoint_defaults": RUNTIME,  # a checkpoint's flowseam.json serving defaults
+    "flowseam.media": RUNTIME,             # writing outputs, reading a conditioning image
+    "flowseam.memory": RUNTIME,            # offload, VAE tiling / slicing options and helpers
+    "flowseam.noise": RUNTIME,             # initial noise, one generator per sample
+    "flowseam.parallel": RUNTIME,          # ranks, process groups, split hooks
+    "flowseam.prompt_refiner": RUNTIME,    # a causal LM that rewrites prompts (unified RL)
+    "flowseam.quiet": RUNTIME,             # the libraries' output kept quiet
+    "flowseam.request": RUNTIME,           # DiffusionParams, GenerationRequest and their checks
+    "flowseam.request_fields": RUNTIME,    # a request's lora and cache values, parsed
+    "flowseam.schedulers": RUNTIME,        # a checkpoint's scheduler config → solver, sigmas
+    "flowseam.step_constants": RUNTIME,    # text-only DiT values reused across steps
     # -- loops --------------------------------------------------------------------------------
     "flowseam.loops.*": LOOPS,
+    # -- models -------------------------------------------------------------------------------
+    "flowseam.models.*": MODELS,
+    "flowseam.loading": MODELS,         # flowseam.load: a checkpoint → a model instance
+    "flowseam.workflows": MODELS,       # cross-model workflows
     # -- users --------------------------------------------------------------------------------
     "flowseam": USERS,                  # the public API (higher layers' names imported lazily)
     "flowseam.__main__": USERS,
     "flowseam.cli.*": USERS,
-    "flowseam.loading": USERS,          # builds a runnable model: imports the loops it runs
     "flowseam.training.*": USERS,
-    "flowseam.rewards.*": USERS,        # the real reward models, their server and client
+    "flowseam.rewards.*": USERS,
     "flowseam.serve.*": USERS,
-    "flowseam.workflows": USERS,
-    "flowseam.refiner": USERS,          # the LM prompt refiner of unified RL
     "flowseam.demo.*": USERS,
     "flowseam.testing.*": USERS,        # the pytest plugin and the conformance suite
     **{f"{backend}.*": USERS for backend in BACKENDS},
@@ -87,7 +87,8 @@ LAYER = {
 
 #: the modules of the loops package shared by every loop (below them: they import no loop, and
 #: may import each other)
-LOOP_HELPERS = ("flowseam.loops.records", "flowseam.loops.solvers", "flowseam.loops.step_cache")
+LOOP_HELPERS = ("flowseam.loops.checks", "flowseam.loops.records", "flowseam.loops.solvers",
+                "flowseam.loops.step_cache")
 
 
 def _modules(roots: list[Path]) -> dict[str, Path]:
@@ -239,17 +240,58 @@ def test_no_module_imports_a_higher_layer():
     assert upward == [], "imports of a higher layer:\n" + "\n".join(upward)
 
 
-def test_backends_stand_on_the_seam():
-    """A backend plugin imports its own package, flowseam's seam modules and the package
-    ``flowseam`` (core's public API) only: never a model, a loop or training."""
-    graph = _imports(PACKAGES)
-    for module, deps in graph.items():
-        own = module.split(".")[0]
-        if own not in BACKENDS:
-            continue
-        bad = sorted(d for d in deps if d.split(".")[0] != own and d != "flowseam"
-                     and _layer(d) != SEAM)
-        assert bad == [], f"{module} imports {bad}"
+#: the only parts of flowseam a backend imports (docs/writing-a-backend.md says the same)
+BACKEND_ROOTS = ("flowseam.seam", "flowseam.ops", "flowseam.testing")
+#: every plugin package of this repository: the in-repo backends and the test fixtures
+PLUGIN_PACKAGES = [*PACKAGES[1:], *sorted(p for p in (REPO / "tests" / "fixtures").glob("**/src/*")
+                                          if (p / "__init__.py").is_file() and "build" not in p.parts)]
+
+
+def _named_imports(source: str) -> set[str]:
+    """The modules of flowseam the import statements of ``source`` name: ``from flowseam import
+    ops`` names ``flowseam.ops`` (a submodule), ``from flowseam import hookimpl`` names
+    ``flowseam`` (the package); the packages above a named module do not count."""
+    core = _modules([PACKAGES[0]])
+    named = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            named |= {a.name for a in node.names if a.name.split(".")[0] == "flowseam"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                (node.module or "").split(".")[0] == "flowseam":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                named.add(sub if sub in core else node.module)
+    return named
+
+
+def _outside_backend_roots(source: str) -> list[str]:
+    return sorted(m for m in _named_imports(source)
+                  if not any(m == r or m.startswith(r + ".") for r in BACKEND_ROOTS))
+
+
+def test_backends_import_the_seam_only():
+    """A plugin (the in-repo backends, every fixture plugin, the backend that
+    docs/writing-a-backend.md builds) imports :data:`BACKEND_ROOTS` of flowseam and nothing else:
+    not the package ``flowseam`` (the users' API), a model, a loop or training."""
+    for package in PLUGIN_PACKAGES:
+        for path in package.rglob("*.py"):
+            assert _outside_backend_roots(path.read_text()) == [], path
+    page = (REPO / "docs" / "writing-a-backend.md").read_text()
+    blocks = re.findall(r"```python[^\n]*\n(.*?)```", page, re.S)
+    assert any("hookimpl" in b for b in blocks)
+    for block in blocks:
+        assert _outside_backend_roots(block) == [], block[:200]
+    promised = re.search(r"imports (`flowseam\.\w+`),\s+(`flowseam\.\w+`)\s+and\s+"
+                         r"(`flowseam\.\w+`)\s+only", page)
+    assert promised and sorted(g.strip("`") for g in promised.groups()) == sorted(BACKEND_ROOTS)
+    # the check finds such an import when there is one
+    for bad in ("from flowseam import hookimpl", "import flowseam", "from flowseam.models import x",
+                "from flowseam.seam import x\nfrom flowseam.loops import run_loop"):
+        assert _outside_backend_roots(bad) != [], bad
+    for good in ("from flowseam import ops", "from flowseam.seam import hookimpl, instantiate",
+                 "import flowseam.seam", "from flowseam.ops.eager import flow_sde_step",
+                 "from flowseam.testing.tiny import write_tiny_checkpoint"):
+        assert _outside_backend_roots(good) == [], good
 
 
 def _private_names_of_core(source: str) -> list[str]:
@@ -313,24 +355,10 @@ def test_loops_import_neither_training_nor_each_other():
         assert bad == [], f"{loop} imports {bad}"
 
 
-def test_models_reach_the_loops_through_the_runner():
-    """The model layer imports no loop: ``ModelInstance.generate`` runs what the loops package
-    registered in :mod:`flowseam.runner`, which :mod:`flowseam.loading` (``flowseam.load``)
-    always imports; before that, a clear error instead of a silent no-op."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, flowseam.models, flowseam.runner as runner\n"
-        "assert 'flowseam.loops' not in sys.modules\n"
-        "try:\n"
-        "    runner.run(None, None)\n"
-        "except RuntimeError as exc:\n"
-        "    assert 'import flowseam.loops' in str(exc), exc\n"
-        "else:\n"
-        "    raise AssertionError('no error without the loops')\n"
-        "import flowseam.loading, flowseam.loops as loops\n"
-        "assert runner._ENTRY == {'run': loops.run_loop, 'stream': loops.stream_loop}\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
+def test_models_call_the_loops_and_loops_never_import_models():
+    """``ModelInstance.generate`` calls :func:`flowseam.loops.run_loop`: the models import the
+    loops, the loops (below them) drive a model's step bodies without importing any model."""
+    graph = _imports(PACKAGES)
+    assert "flowseam.loops" in graph["flowseam.models.instance"]
+    for loop in (m for m in graph if m.startswith("flowseam.loops")):
+        assert not any(d.startswith("flowseam.models") for d in graph[loop]), loop

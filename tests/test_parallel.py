@@ -101,15 +101,14 @@ def test_split_points_are_diffusers_context_parallel_plans():
     """The cards split where diffusers' own context-parallel plans (``_cp_plan``) do."""
     from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 
-    from flowseam.models.flux import FluxT2I
-    from flowseam.models.wan import WanT2V
+    from flowseam.models import FLUX_T2I, WAN_T2V
 
     wan, flux = WanTransformer3DModel._cp_plan, FluxTransformer2DModel._cp_plan
-    split = WanT2V.SEQUENCE_SPLIT
+    split = WAN_T2V.split.sequence
     assert split.outputs == {"rope": {i: p.split_dim for i, p in wan["rope"].items()}}
     assert split.inputs == {"blocks.0": {"hidden_states": wan["blocks.0"]["hidden_states"].split_dim}}
     assert split.gather == {"proj_out": wan["proj_out"].gather_dim}
-    split = FluxT2I.SEQUENCE_SPLIT
+    split = FLUX_T2I.split.sequence
     assert split.inputs == {"": {k: p.split_dim for k, p in flux[""].items()}}
     assert split.gather == {"proj_out": flux["proj_out"].gather_dim}
 

@@ -16,7 +16,7 @@ import torch
 
 import flowseam
 from flowseam import FlowseamError
-from flowseam.refiner import PromptRefiner, RefinerSampling
+from flowseam.prompt_refiner import PromptRefiner, RefinerSampling
 from flowseam.testing.tiny import write_tiny_checkpoint, write_tiny_lm
 from flowseam.training.metrics import read_metrics
 from flowseam.training.unified_rl import UnifiedRL
@@ -278,7 +278,7 @@ def test_unified_rl_is_a_method_plugin_with_its_own_entry_point():
 
 def test_digit_requests_parse_and_the_held_out_split_is_disjoint():
     from flowseam.demo.data import parse_prompt
-    from flowseam.demo.refiner import request_split, tokenizer
+    from flowseam.demo.refiner_lm import request_split, tokenizer
 
     assert parse_prompt("draw me a 7 sliding to the left") == (7, "left")
     assert parse_prompt("show the number four going up") == (4, "up")

@@ -21,6 +21,11 @@ MOVED = {
                     "isolation", "kernels", "platform", "tables", "weights")},
     "flowseam.plugins": "flowseam.seam.discovery",
     "flowseam.console": "flowseam.seam.notices",
+    "flowseam.adapters": "flowseam.models.adapters",
+    "flowseam.defaults": "flowseam.checkpoint_defaults",
+    "flowseam.policies": "flowseam.request_fields",
+    "flowseam.refiner": "flowseam.prompt_refiner",
+    "flowseam.models.base": "flowseam.models",
 }
 #: the release that drops the old paths
 REMOVED_IN = "0.3"

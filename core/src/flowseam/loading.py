@@ -9,16 +9,18 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from . import loops  # noqa: F401  (registers the loops a loaded model runs: flowseam.runner)
 from .seam.components import ComponentSpec, check_component_class
 from .quiet import hub_output, library_output
-from .defaults import read_checkpoint_defaults
+from .checkpoint_defaults import read_checkpoint_defaults
 from .seam.dtypes import for_kinds, parse_dtypes
 from .errors import CheckpointError, FlowseamError, NotEnoughMemoryError
 from .seam.faults import is_out_of_memory
 from .memory import MemoryOptions, advice, weight_bytes
 from .models import card_for_index, declared
-from .models.base import ModelCard, ModelInstance
+from .models.card import ModelCard
+from .models.instance import ModelInstance
+from .models.split import ModelSplit
+from .parallel import check_environment, takes_any_heads
 from .seam.platform import Platform
 from .request import DiffusionParams, TaskType
 from .schedulers import SERVING_DEFAULTS
@@ -168,11 +170,9 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
     index, card, plan, dtypes = _plan(root, platform, requested or {}, memory)
     configs = check_layout(card, index, root)
     if parallel is not None and parallel.enabled:
-        from .parallel import check_environment, takes_any_heads
-
-        card.instance.check_parallel_layout(
-            parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name,
-            takes_any_heads(platform))
+        card.split.check_layout(parallel, {n: c.get("num_attention_heads", 0)
+                                           for n, c in configs.items()}, card.name,
+                                takes_any_heads(platform))
         check_environment(parallel, platform)  # a rank of the layout, on its own GPU
     scheduler_file = root / "scheduler" / "scheduler_config.json"
     raw = read_json(scheduler_file) if (root / "scheduler").is_dir() else None
@@ -200,20 +200,22 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
         components, records, specs = _build_components(root, plan, unused, dtypes, platform,
                                                        memory)
         instance = card.instance(card, platform, components, root, solver,
-                                 scheduler_config=raw, pipeline_config=index)
-        instance.read_index(index, str(index_file))
-        instance.component_records = records
-        instance.component_specs = specs
+                                 scheduler_config=raw, pipeline_config=index, records=records,
+                                 specs=specs, memory=memory)
         instance.unused_components = unused
         instance.serve_defaults = serve_defaults
+        instance.read_index(index, str(index_file))
         instance.route_attention()
         instance.install_step_constants()
-        instance.configure_memory(memory)
+        instance.placement.apply(instance.dit)
         if parallel is not None and parallel.enabled:
-            instance.parallelize(parallel)
+            instance.parallel = ModelSplit.install(
+                parallel, card.split, instance.experts, platform, card.name,
+                {name: instance.components[name].config for name in (instance.DIT, "vae")})
     if not quiet:
+        boundary = instance.experts.boundary_timestep
         experts = f" (experts {', '.join(instance.experts)}, boundary timestep " \
-                  f"{instance.boundary_timestep:g})" if instance.boundary_timestep is not None else ""
+                  f"{boundary:g})" if boundary is not None else ""
         print(f"flowseam: loaded {card.name}{experts} from {root}: {instance.solver_line()}",
               file=sys.stderr)
     return instance
@@ -315,17 +317,14 @@ def check_parallel_checkpoint(path_or_hub_id: str | os.PathLike, parallel: "Para
 
     import diffusers
 
-    from .parallel import takes_any_heads
-
     any_heads = takes_any_heads(platform if platform is not None else Platform.detect())
 
     root = resolve_checkpoint(path_or_hub_id)
     index = read_json(root / "model_index.json")
     card = card_for_index(index, str(root / "model_index.json"))
     configs = check_layout(card, index, root)
-    card.instance.check_parallel_layout(
-        parallel, {n: c.get("num_attention_heads", 0) for n, c in configs.items()}, card.name,
-        any_heads)
+    card.split.check_layout(parallel, {n: c.get("num_attention_heads", 0)
+                                       for n, c in configs.items()}, card.name, any_heads)
     params = params.with_defaults({**card.defaults, **read_checkpoint_defaults(root)})
     full = {}
     for name in (card.instance.DIT, "vae"):
@@ -334,7 +333,7 @@ def check_parallel_checkpoint(path_or_hub_id: str | os.PathLike, parallel: "Para
             k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
             if p.default is not inspect.Parameter.empty}
         full[name] = {**defaults, **read_json(root / name / "config.json")}
-    card.instance.check_parallel_request(parallel, params, full, card.name, any_heads)
+    card.split.check_request(parallel, params, full, card.name, any_heads)
 
 
 def check_layout(card: ModelCard, index: dict[str, Any], root: Path) -> dict[str, dict[str, Any]]:

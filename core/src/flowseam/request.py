@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidInputError, InvalidParameterError
-from .policies import normalize_cache, normalize_lora
+from .request_fields import normalize_cache, normalize_lora
 
 
 class TaskType(str, enum.Enum):

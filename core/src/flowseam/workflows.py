@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import InvalidInputError
 from .loops import ExecutionProfile, LoopResult, StepCallback, run_loop
-from .models.base import ModelInstance
+from .models.instance import ModelInstance
 from .request import CARD_SPECIFIC, DiffusionParams, GenerationRequest, TaskType
 
 

@@ -150,7 +150,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .. import media
-    from ..defaults import read_checkpoint_defaults
+    from ..checkpoint_defaults import read_checkpoint_defaults
     from ..loading import check_load_options, load, read_card, resolve_checkpoint
     from ..parallel import is_rank_of, launch
     from ..seam.platform import Platform

@@ -206,11 +206,8 @@ def write_serve_defaults(model_dir: Path, recipe: Recipe) -> None:
     """Write the recipe's ``[serve]`` table as the model's own serving defaults
     (``flowseam.json``, :mod:`flowseam.defaults`), so that ``flowseam generate`` samples it as the
     demo does; unchanged files are left alone."""
-    from ..defaults import (
-        FILENAME,
-        check_checkpoint_defaults,
-        read_checkpoint_defaults,
-        write_checkpoint_defaults,
+    from ..checkpoint_defaults import (
+        FILENAME, check_checkpoint_defaults, read_checkpoint_defaults, write_checkpoint_defaults,
     )
 
     serve = dict(recipe.config.get("serve", {}))
@@ -230,7 +227,7 @@ def demo_models(cache_dir: str | os.PathLike | None = None,
     :returns: ``[{"name", "path", "source" ("cache" | "shipped"), "card", "matches_recipe",
         "serve"}]``, in the order :func:`ensure_models` looks.
     """
-    from ..defaults import read_checkpoint_defaults
+    from ..checkpoint_defaults import read_checkpoint_defaults
 
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if recipes is None:

@@ -1,36 +1,28 @@
 """Denoising loops: one module per loop family, each reading top to bottom like a diffusers
 pipeline's ``__call__``. Serve and rollout are the same loop (``ExecutionProfile``).
 
-``run_loop(model, request)`` runs the loop the model's card names first (``card.loops``); each
-loop module exposes ``run(model, request, profile, progress, decode, step_callback) ->
-LoopResult``, and calls ``step_callback(index, num_steps, latents)`` (:data:`StepCallback`) after
-every denoising step when one is given: progress reporting and cancellation at a step boundary
-(``flowseam serve``) hang on it. Loop modules share helpers from modules below them
-(:mod:`flowseam.noise`, :mod:`.records`, :mod:`.solvers`, :mod:`.step_cache`) and never import
-each other or training.
-
-Layers (``tests/test_layout.py``): the loops stand on the models (they drive a model's
-``encode`` / ``velocity`` / ``decode``) and the seam; training, serve and the CLI stand on them.
-``ModelInstance.generate`` reaches :func:`run_loop` and :func:`stream_loop` through
-:mod:`flowseam.runner`, where this package registers them when it is imported, so the model layer
-never imports the loops.
+:func:`run_loop` runs the loop the model's card names (``card.loops[0]``); each loop module has
+``run(model, request, profile, progress, decode, step_callback) -> LoopResult`` and calls
+``step_callback(index, num_steps, latents)`` (:data:`StepCallback`) after every denoising step:
+progress reporting and cancellation hang on it. The loops stand below the models: a model's
+``generate`` calls :func:`run_loop`, and a loop drives the model's step bodies (``encode``,
+``velocity``, ``decode``, ...) without importing the models. Loop modules share the modules
+below them (:mod:`.records`, :mod:`.solvers`, :mod:`.checks`, :mod:`.step_cache`) and never
+import each other or training.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from .. import runner
 from ..errors import InvalidInputError
 from ..request import GenerationRequest
 from . import causal, flow_match, ltx2
 from .causal import Chunk
-from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+from .records import BehaviorRecord, ExecutionProfile, LoopResult, Model, StepCallback
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..models.base import ModelInstance
 
 #: loop name (as cards list them in ``ModelCard.loops``) → its ``run`` function
 LOOPS: dict[str, Callable[..., LoopResult]] = {"flow_match": flow_match.run,
@@ -44,7 +36,7 @@ RECOMPUTE: dict[str, Callable[..., torch.Tensor]] = {"flow_match": flow_match.re
                                                      "ltx2": ltx2.record_velocity}
 
 
-def check_no_module_cache(model: "ModelInstance") -> None:
+def check_no_module_cache(model: Model) -> None:
     """Refuse a DiT on which diffusers' cache hooks are enabled (``enable_cache`` with
     ``FirstBlockCacheConfig``, ``MagCacheConfig``, ``TaylorSeerCacheConfig``, ...).
 
@@ -67,7 +59,7 @@ def check_no_module_cache(model: "ModelInstance") -> None:
                 "generate --cache reuse:0.05; the flow-match loop)")
 
 
-def run_loop(model: "ModelInstance", request: GenerationRequest,
+def run_loop(model: Model, request: GenerationRequest,
              profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
              decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
     """Run the card's loop for ``request`` (see the loop module for the stages).
@@ -93,7 +85,7 @@ def run_loop(model: "ModelInstance", request: GenerationRequest,
     return loop(model, request, profile=profile, progress=progress, decode=decode, **extra)
 
 
-def stream_loop(model: "ModelInstance", request: GenerationRequest,
+def stream_loop(model: Model, request: GenerationRequest,
                 profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
                 decode: bool = True, step_callback: StepCallback | None = None) -> Iterator[Chunk]:
     """Run the card's loop chunk by chunk, yielding each :class:`Chunk` as it is ready.
@@ -112,7 +104,7 @@ def stream_loop(model: "ModelInstance", request: GenerationRequest,
                          step_callback=step_callback)
 
 
-def record_velocity(model: "ModelInstance", result: LoopResult, record: BehaviorRecord,
+def record_velocity(model: Model, result: LoopResult, record: BehaviorRecord,
                     dit: torch.nn.Module | None = None) -> torch.Tensor:
     """The velocity ``dit`` (default the model's DiT) predicts at ``record``'s step of the rollout
     ``result``, computed the way ``result.loop`` computed it (the causal loop rebuilds the KV
@@ -121,17 +113,13 @@ def record_velocity(model: "ModelInstance", result: LoopResult, record: Behavior
     return RECOMPUTE[result.loop](model, result, record, dit=dit)
 
 
-def rollout_loop(model: "ModelInstance", request: GenerationRequest,
+def rollout_loop(model: Model, request: GenerationRequest,
                  profile: ExecutionProfile = ExecutionProfile.ROLLOUT, decode: bool = True) -> LoopResult:
     """A rollout: the serve loop (:func:`run_loop`) with capture — one :class:`BehaviorRecord` per
     step. With ``request.params.sde_rollout`` the steps are Flow-GRPO's SDE steps with log-probs;
     without it the result is bit-identical to serving the same request."""
     return run_loop(model, request, profile=profile, decode=decode)
 
-
-# ModelInstance.generate / generate_stream run these (flowseam.runner: the models cannot import
-# the loops, which stand above them)
-runner.register(run=run_loop, stream=stream_loop)
 
 __all__ = ["BehaviorRecord", "Chunk", "ExecutionProfile", "LOOPS", "LoopResult", "RECOMPUTE",
            "STREAMS", "StepCallback", "check_no_module_cache", "record_velocity", "rollout_loop",

@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from ..seam.faults import check_finite, check_velocity, component_faults
+from .checks import check_finite, check_velocity, component_faults
 from ..request import GenerationRequest
-from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+from .records import BehaviorRecord, ExecutionProfile, LoopResult, Model, StepCallback
 from .solvers import X0_RENOISE, SolverSteps
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..models.wan_causal import WanCausalT2V
 
 #: The component kinds that turn a request into conditioning (stage 2).
 ENCODERS = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
@@ -61,7 +59,7 @@ class Chunk:
     result: LoopResult | None = None
 
 
-def stream(model: "WanCausalT2V", request: GenerationRequest,
+def stream(model: Model, request: GenerationRequest,
            profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
            decode: bool = True, step_callback: StepCallback | None = None) -> Iterator[Chunk]:
     """Generate ``request`` chunk by chunk, yielding each :class:`Chunk` as soon as it is decoded.
@@ -87,7 +85,7 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
     with component_faults(model, ENCODERS, "encoding the prompt"):
         cond = model.encode(request, params)
     check_finite(model, ("text_encoder",), cond.prompt_embeds, "returned non-finite prompt embeddings")
-    model.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
+    model.placement.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
     t_encoded = time.perf_counter()
 
     # 3. Prepare the whole video's initial noise (drawn at once, as Self-Forcing does), the
@@ -167,7 +165,7 @@ def stream(model: "WanCausalT2V", request: GenerationRequest,
             seconds["denoise"] += time.perf_counter() - t_commit
 
 
-def run(model: "WanCausalT2V", request: GenerationRequest,
+def run(model: Model, request: GenerationRequest,
         profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
         decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
     """The whole video at once: :func:`stream` with the chunks' frames joined along time.
@@ -183,7 +181,7 @@ def run(model: "WanCausalT2V", request: GenerationRequest,
     return result
 
 
-def record_velocity(model: "WanCausalT2V", result: LoopResult, record: BehaviorRecord,
+def record_velocity(model: Model, result: LoopResult, record: BehaviorRecord,
                     dit: torch.nn.Module | None = None) -> torch.Tensor:
     """The velocity ``dit`` predicts at ``record``'s step, as the rollout computed it: the cache
     of the chunks before ``record.chunk`` is rebuilt from the rollout's final (clean) latents with

@@ -13,26 +13,23 @@ nothing about the result (SERVE and ROLLOUT outputs are bit-identical).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..seam.faults import check_finite, check_velocity, component_faults
+from .checks import check_finite, check_velocity, component_faults
 from ..request import GenerationRequest
 from ..step_constants import reuse_across_steps
-from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+from .records import BehaviorRecord, ExecutionProfile, LoopResult, Model, StepCallback
 from .solvers import SolverSteps
 from .step_cache import StepCache, check_cache
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..models.base import ModelInstance
 
 #: The component kinds that turn a request into conditioning (stage 2).
 ENCODERS = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
 
 
-def run(model: "ModelInstance", request: GenerationRequest,
+def run(model: Model, request: GenerationRequest,
         profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
         decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
     """Run the flow-match loop of ``model`` for ``request`` (Wan2.1 T2V/I2V, FLUX.1).
@@ -50,8 +47,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     t_start = time.perf_counter()
     # 1. Check inputs: fill the card's defaults, validate, one generator per sample; switch the
     #    DiT experts to the request's LoRA set (each file read once per model; flowseam.adapters).
-    params = model.check(request)
-    model.check_parallel(params)  # split over ranks (flowseam.parallel): tokens that divide
+    params = model.validate(request)  # the card's rules (and, split over ranks, the split's)
     if model.parallel is not None:  # every rank stops at the step any rank's callback raises
         step_callback = model.parallel.agreed(step_callback)
     capture = profile is ExecutionProfile.ROLLOUT
@@ -65,7 +61,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     with component_faults(model, ENCODERS, "encoding the prompt"):
         cond = model.encode(request, params)
     check_finite(model, ENCODERS, cond.prompt_embeds, "returned non-finite prompt embeddings")
-    model.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
+    model.placement.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
     t_encoded = time.perf_counter()
 
     # 3. Prepare latents, then the sigma schedule (it may depend on the latent size): the
@@ -92,7 +88,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     with torch.no_grad(), reuse_across_steps():  # text-only values once per run (step_constants)
         for i in steps:
             t = schedule.timesteps[i].expand(latents.shape[0])
-            expert = model.expert_at(schedule.timesteps[i])
+            expert = model.experts.at(schedule.timesteps[i])
             with component_faults(model, ("dit",), f"predicting the velocity at step {i}"):
                 if cache is None:
                     velocity = model.velocity(latents, t, cond, params, expert=expert)
@@ -133,7 +129,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
         cache=None if cache is None else cache.report())
 
 
-def record_velocity(model: "ModelInstance", result: LoopResult, record: BehaviorRecord,
+def record_velocity(model: Model, result: LoopResult, record: BehaviorRecord,
                     dit: torch.nn.Module | None = None) -> torch.Tensor:
     """The velocity ``dit`` (default the model's expert that ran the step, ``record.expert``)
     predicts at ``record``'s step of ``result``: what the rollout's kernel was given, recomputed

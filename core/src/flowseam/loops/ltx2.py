@@ -27,26 +27,24 @@ it, a failing kernel with its step, op and ``impl_id``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import ops
-from ..seam.faults import check_finite, check_velocity, component_faults
+from .checks import check_finite, check_velocity, component_faults
 from ..request import DiffusionParams, GenerationRequest
 from ..step_constants import reuse_across_steps
-from .records import BehaviorRecord, ExecutionProfile, LoopResult, StepCallback
+from .records import BehaviorRecord, ExecutionProfile, LoopResult, Model, StepCallback
 from .solvers import SolverSteps
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..models.base import ModelInstance
 
 #: The component kinds that turn a request into conditioning (stage 2 of ``run``).
 ENCODERS = ("text_encoder", "tokenizer", "text_connectors")
 
 
-def run(model: "ModelInstance", request: GenerationRequest,
+def run(model: Model, request: GenerationRequest,
         profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
         decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
     """Run the LTX-2 loop of ``model`` (an ``ltx2-t2v`` / ``ltx2-i2v`` instance) for ``request``.
@@ -76,7 +74,7 @@ def run(model: "ModelInstance", request: GenerationRequest,
     # 2. Encode the prompt: Gemma hidden states → text connectors → video and audio embeddings.
     with component_faults(model, ENCODERS, "encoding the prompt"):
         cond = model.encode(request, params)
-    model.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
+    model.placement.release_encoders()  # offload="text_encoder": freed once the prompts are encoded
     t_encoded = time.perf_counter()
 
     # 3. Stage 1: video and audio noise at the base resolution, then the stage's sigmas.
@@ -144,7 +142,7 @@ class _Stage:
     """What runs around the stepper at every step of either stage: the DiT's velocity, the
     BehaviorRecords (with ``capture``), the progress bar and the step callback."""
 
-    def __init__(self, model: "ModelInstance", solve: SolverSteps, cond: Any,
+    def __init__(self, model: Model, solve: SolverSteps, cond: Any,
                  params: DiffusionParams, capture: bool, total: int, bar: Any,
                  step_callback: StepCallback | None) -> None:
         self.model, self.solve, self.cond, self.params = model, solve, cond, params
@@ -181,7 +179,7 @@ class _Stage:
         return latents
 
 
-def record_velocity(model: "ModelInstance", result: LoopResult, record: BehaviorRecord,
+def record_velocity(model: Model, result: LoopResult, record: BehaviorRecord,
                     dit: torch.nn.Module | None = None) -> torch.Tensor:
     """The velocity ``dit`` (default the model's) predicts at ``record``'s step of ``result``
     (either stage: the card finds the stage from the state's size in ``result.cond``), guided as
@@ -189,7 +187,7 @@ def record_velocity(model: "ModelInstance", result: LoopResult, record: Behavior
     return model.velocity(record.latents, record.timestep, result.cond, result.params, dit=dit)
 
 
-def _progress(progress: bool, model: "ModelInstance", total: int):
+def _progress(progress: bool, model: Model, total: int):
     if not progress:
         return None
     from tqdm.auto import tqdm

@@ -12,6 +12,11 @@ import torch
 from ..request import DiffusionParams
 
 
+#: the model a loop drives: a :class:`flowseam.models.ModelInstance` whose card names the loop.
+#: The loops stand below the models and never import them; each loop module says which of the
+#: model's step bodies it calls.
+Model = Any
+
 #: ``step_callback(index, num_steps, latents)``: what a loop calls after each denoising step
 #: (like diffusers' ``callback_on_step_end``). ``index`` is the 0-based step just finished,
 #: ``num_steps`` the loop's step count, ``latents`` ``(B, ...)`` the latents that step produced

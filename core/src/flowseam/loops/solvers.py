@@ -40,7 +40,7 @@ What runs at a step:
   kernel *pinned* (``platform.kernels.pin(record.impl_id)``, never a fresh lookup), so the PPO
   ratio is exactly 1 before any weight changes (C2) even when two backends differ numerically.
 
-Every kernel output is checked right after the call (:func:`flowseam.seam.faults.check_step`).
+Every kernel output is checked right after the call (:func:`flowseam.loops.checks.check_step`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import torch
 
 from .. import ops
 from ..errors import InvalidInputError, KernelPinError
-from ..seam.faults import check_step
+from .checks import check_step
 from ..noise import noise_like
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,7 +98,7 @@ class SolverSteps:
     :param outside_window: what an SDE rollout runs outside its ``sde_window``: ``"ode"`` (the
         Euler step, the default) or ``"sampler"`` (the serving sampler; not a multistep one).
     :param model: the model whose DiT computes the velocities, to name its plugin when a
-        velocity is non-finite (:func:`flowseam.seam.faults.check_step`).
+        velocity is non-finite (:func:`flowseam.loops.checks.check_step`).
     :param pinned: implementation ids to pin instead of looking ops up (:meth:`recompute`).
     :raises UnknownOpError: when no backend on the platform registers an op the run needs.
     :raises KernelPinError: when a ``pinned`` id is not available on the platform.

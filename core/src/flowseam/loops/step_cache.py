@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 # the request's policy value, parsed in the seam (DiffusionParams.cache); re-exported here
 from ..errors import InvalidInputError
-from ..policies import POLICIES, CachePolicy, normalize_cache  # noqa: F401
+from ..request_fields import POLICIES, CachePolicy, normalize_cache  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import ComponentEntry, Conditioning, ModelCard, ModelInstance
+from .card import ComponentEntry, ModelCard
+from .instance import Conditioning, ModelInstance, frames_to_pixels, postprocess
 from .flux import FLUX_T2I, FluxT2I
 from .ltx2 import LTX2_I2V, LTX2_T2V, LTX2I2V, LTX2T2V
 from .wan import WAN22_I2V, WAN22_T2V, WAN_I2V, WAN_T2V, WanI2V, WanT2V
@@ -56,4 +57,4 @@ def card_for_index(index: dict[str, Any], source: str = "model_index.json") -> M
 __all__ = ["CARDS", "ComponentEntry", "Conditioning", "FLUX_T2I", "FluxT2I", "LTX2I2V", "LTX2T2V",
            "LTX2_I2V", "LTX2_T2V", "ModelCard", "ModelInstance", "WAN22_I2V", "WAN22_T2V",
            "WAN_CAUSAL_T2V", "WAN_I2V", "WAN_T2V", "WanCausalT2V", "WanI2V", "WanT2V",
-           "card_for_index", "declared"]
+           "card_for_index", "declared", "frames_to_pixels", "postprocess"]

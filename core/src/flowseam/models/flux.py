@@ -27,39 +27,35 @@ from ..request import (
     check_no_causal,
 )
 from ..schedulers import EULER, UNIPC, SolverConfig
-from .base import (
-    ComponentEntry,
-    Conditioning,
-    ModelCard,
-    ModelInstance,
-    draw_noise,
-    frames_to_pixels,
-    postprocess,
-)
+from .card import ComponentEntry, ModelCard
+from .instance import Conditioning, ModelInstance, draw_noise, frames_to_pixels, postprocess
+from .split import SplitSupport
+
+
+def flux_tokens(params: DiffusionParams,
+                configs: Mapping[str, Mapping[str, Any]]) -> tuple[int, int]:
+    """``(H/16) * (W/16)`` image tokens (the VAE's ``2 ** (len(block_out_channels) - 1)`` times
+    the 2x2 packing) and ``max_sequence_length`` text tokens, which join the self-attention."""
+    f = 2 ** (len(configs["vae"]["block_out_channels"]) - 1) * 2
+    return (params.height // f) * (params.width // f), params.max_sequence_length
+
+
+#: sequence parallelism (diffusers' ``FluxTransformer2DModel._cp_plan``): the image and the text
+#: tokens are split with their position ids at the DiT's input, so the rotary embedding is
+#: computed for each rank's own (global) positions; every attention is joint self-attention over
+#: both; the output projection (image tokens) is gathered. No CFG branches to split.
+FLUX_SPLIT = SplitSupport(
+    sequence=SequenceSplit(
+        inputs={"": {"hidden_states": 1, "encoder_hidden_states": 1, "img_ids": 0, "txt_ids": 0}},
+        gather={"proj_out": 1}),
+    no_cfg_reason="FLUX.1 is guidance-distilled: guidance_scale is embedded in one pass",
+    tokens=flux_tokens)
 
 
 class FluxT2I(ModelInstance):
     """FLUX.1 text-to-image. Packed latents ``(B, (H/16)*(W/16), 64)``."""
 
     SHARED_CONDITION_KEYS = ("text_ids", "img_ids")  # position ids, the same for every row
-    #: sequence parallelism (diffusers' ``FluxTransformer2DModel._cp_plan``): the image and the
-    #: text tokens are split with their position ids at the DiT's input, so the rotary
-    #: embedding is computed for each rank's own (global) positions; every attention is joint
-    #: self-attention over both; the output projection (image tokens) is gathered
-    SEQUENCE_SPLIT = SequenceSplit(
-        inputs={"": {"hidden_states": 1, "encoder_hidden_states": 1, "img_ids": 0, "txt_ids": 0}},
-        gather={"proj_out": 1})
-    NO_CFG_REASON = "FLUX.1 is guidance-distilled: guidance_scale is embedded in one pass"
-
-    @classmethod
-    def sequence_tokens(cls, params: DiffusionParams,
-                        configs: Mapping[str, Mapping[str, Any]]) -> tuple[int, int]:
-        """``(H/16) * (W/16)`` image tokens (the VAE's ``2 ** (len(block_out_channels) - 1)``
-        times the 2x2 packing) and ``max_sequence_length`` text tokens, which join the
-        self-attention."""
-        f = 2 ** (len(configs["vae"]["block_out_channels"]) - 1) * 2
-        return (params.height // f) * (params.width // f), params.max_sequence_length
-
     @property
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.components["vae"].config.block_out_channels) - 1)
@@ -69,7 +65,7 @@ class FluxT2I(ModelInstance):
         params = request.params.with_defaults(self.defaults)
         check_common(params, request)
         check_no_causal(params, self.card.name)
-        self.check_experts(params)
+        self.experts.check(params)
         multiple = self.vae_scale_factor * 2
         for name in ("height", "width"):
             check_multiple(name, getattr(params, name), multiple,
@@ -150,7 +146,7 @@ class FluxT2I(ModelInstance):
                  params: DiffusionParams, dit: torch.nn.Module | None = None,
                  expert: str | None = None) -> torch.Tensor:
         """Velocity ``(B, seq, 64)``; guidance is embedded (no second pass)."""
-        _, dit = self._expert(timestep, expert, dit)
+        _, dit = self.experts.pick(timestep, expert, dit)
         guidance = None
         if self.dit.config.guidance_embeds:
             guidance = torch.full([latents.shape[0]], params.guidance_scale, dtype=torch.float32,
@@ -216,4 +212,4 @@ FLUX_T2I = ModelCard(
     rules=("height and width divisible by 16 (VAE factor 8 x 2x2 packing)",
            "num_steps >= 1; guidance_scale >= 0 (embedded guidance, FLUX.1-dev)",
            "no negative prompt, no image", "max_sequence_length <= 512"),
-    instance=FluxT2I)
+    instance=FluxT2I, split=FLUX_SPLIT)

@@ -73,7 +73,8 @@ from ..request import (
     check_multiple,
 )
 from ..schedulers import EULER, SolverConfig
-from .base import ComponentEntry, Conditioning, ModelCard, ModelInstance, postprocess
+from .card import ComponentEntry, ModelCard
+from .instance import Conditioning, ModelInstance, postprocess
 
 #: Lightricks' distilled stage-2 sigmas (diffusers ``STAGE_2_DISTILLED_SIGMA_VALUES``).
 REFINE_SIGMAS = (0.909375, 0.725, 0.421875)
@@ -577,13 +578,13 @@ def _guided(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, scale: float,
 class LTX2I2V(LTX2T2V):
     """LTX-2 image-to-video with audio: the image becomes the clean first latent frame."""
 
-    def configure_memory(self, memory) -> None:
+    def read_index(self, index: dict[str, Any], source: str = "model_index.json") -> None:
         # the image conditioning's CRF follows the text encoder's generation (diffusers'
-        # resolve_default_image_crf): read while it is loaded, as offload may free it
+        # resolve_default_image_crf): read at load, as offload may free the text encoder later
         from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 
+        super().read_index(index, source)
         self.image_crf = resolve_default_image_crf(self.components["text_encoder"])
-        super().configure_memory(memory)
 
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
         from .wan import load_image

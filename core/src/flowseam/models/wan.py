@@ -37,15 +37,9 @@ from ..request import (
     check_no_causal,
 )
 from ..schedulers import EULER, UNIPC
-from .base import (
-    ComponentEntry,
-    Conditioning,
-    ModelCard,
-    ModelInstance,
-    draw_noise,
-    frames_to_pixels,
-    postprocess,
-)
+from .card import ComponentEntry, ModelCard
+from .instance import Conditioning, ModelInstance, draw_noise, frames_to_pixels, postprocess
+from .split import SplitSupport
 
 
 def clean_prompt(text: str) -> str:
@@ -54,6 +48,28 @@ def clean_prompt(text: str) -> str:
 
     text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
     return re.sub(r"\s+", " ", text).strip()
+
+
+def wan_tokens(params: DiffusionParams,
+               configs: Mapping[str, Mapping[str, Any]]) -> tuple[int, None]:
+    """``F' * (H' / p_h) * (W' / p_w)`` latent patches (``F' = (frames - 1) / 4 + 1``, ``H' =
+    height / 8``: the VAE's ``scale_factor_temporal`` and ``_spatial``; ``p``: the transformer's
+    ``patch_size``); the text is cross-attended, so no text tokens join the self-attention."""
+    p_t, p_h, p_w = configs["transformer"]["patch_size"]
+    temporal, spatial = (int(configs["vae"][f"scale_factor_{k}"]) for k in ("temporal", "spatial"))
+    frames = (params.num_frames - 1) // temporal + 1
+    h, w = params.height // spatial, params.width // spatial
+    return (frames // p_t) * (h // p_h) * (w // p_w), None
+
+
+#: sequence and CFG parallelism (diffusers' ``WanTransformer3DModel._cp_plan``): the rotary
+#: embedding (computed for the whole video) and the first block's tokens are split, the output
+#: projection gathered; ``attn2`` attends from the local tokens to the whole text
+WAN_SPLIT = SplitSupport(
+    sequence=SequenceSplit(inputs={"blocks.0": {"hidden_states": 1}},
+                           outputs={"rope": {0: 1, 1: 1}}, gather={"proj_out": 1},
+                           cross_attention=("attn2",)),
+    cfg_branches=True, tokens=wan_tokens)
 
 
 class WanT2V(ModelInstance):
@@ -65,33 +81,12 @@ class WanT2V(ModelInstance):
                       "attn2.to_k", "attn2.to_v", "attn2.norm_k", "attn2.add_k_proj",
                       "attn2.add_v_proj", "attn2.norm_added_k")
 
-    #: sequence parallelism (diffusers' ``WanTransformer3DModel._cp_plan``): the rotary
-    #: embedding (computed for the whole video) and the first block's tokens are split, the
-    #: output projection gathered; ``attn2`` attends from the local tokens to the whole text
-    SEQUENCE_SPLIT = SequenceSplit(inputs={"blocks.0": {"hidden_states": 1}},
-                                   outputs={"rope": {0: 1, 1: 1}}, gather={"proj_out": 1},
-                                   cross_attention=("attn2",))
-    HAS_CFG_BRANCHES = True
-
-    @classmethod
-    def sequence_tokens(cls, params: DiffusionParams,
-                        configs: Mapping[str, Mapping[str, Any]]) -> tuple[int, None]:
-        """``F' * (H' / p_h) * (W' / p_w)`` latent patches (``F' = (frames - 1) / 4 + 1``,
-        ``H' = height / 8``: the VAE's ``scale_factor_temporal`` and ``_spatial``; ``p``: the
-        transformer's ``patch_size``); the text is cross-attended."""
-        p_t, p_h, p_w = configs[cls.DIT]["patch_size"]
-        temporal, spatial = (int(configs["vae"][f"scale_factor_{k}"])
-                             for k in ("temporal", "spatial"))
-        frames = (params.num_frames - 1) // temporal + 1
-        h, w = params.height // spatial, params.width // spatial
-        return (frames // p_t) * (h // p_h) * (w // p_w), None
-
     # -- 1. check -------------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> DiffusionParams:
         params = request.params.with_defaults(self.defaults)
         check_common(params, request)
         self.check_loop_params(params)
-        self.check_experts(params)
+        self.experts.check(params)
         check_frames(params.num_frames, self.vae_temporal_factor, "Wan's VAE")
         multiple = self.vae_spatial_factor * self.dit.config.patch_size[1]
         for name in ("height", "width"):
@@ -179,7 +174,7 @@ class WanT2V(ModelInstance):
         ``v = v_uncond + g * (v_cond - v_uncond)`` with the expert's guidance scale ``g``
         (``guidance_scale``, or ``guidance_scale_2`` for Wan2.2's low-noise expert).
         """
-        expert, dit = self._expert(timestep, expert, dit)
+        expert, dit = self.experts.pick(timestep, expert, dit)
         branches = list(range(self.num_branches(cond)))
         return self.guide(self.branch_velocity(latents, timestep, cond, params, branches, dit=dit,
                                                expert=expert), params, expert)
@@ -195,10 +190,10 @@ class WanT2V(ModelInstance):
         """The unguided velocities of ``branches`` (0: unconditional, 1: conditional; only 0
         without CFG), each ``(B, 16, F', H', W')``, from one DiT call on a batch of
         ``len(branches) * B``."""
-        expert, dit = self._expert(timestep, expert, dit)
-        if len(branches) == 2 and self.is_split(dit) and self.parallel.parallel.cfg:
+        expert, dit = self.experts.pick(timestep, expert, dit)
+        if len(branches) == 2 and self.parallel is not None and self.parallel.runs_cfg_branches(dit):
             # CFG parallelism: this rank's group runs one branch; the two are exchanged
-            mine = branches[self.parallel.cfg_rank]
+            mine = branches[self.parallel.cfg_branch()]
             return self.parallel.gather_branches(self.branch_velocity(
                 latents, timestep, cond, params, [mine], dit=dit, expert=expert)[0])
         x, extra = self.dit_inputs(latents, cond)
@@ -223,7 +218,7 @@ class WanT2V(ModelInstance):
         if len(branches) == 1:
             return branches[0]
         v_uncond, v_cond = branches
-        return v_uncond + self.guidance_for(expert, params) * (v_cond - v_uncond)
+        return v_uncond + self.experts.guidance(expert, params) * (v_cond - v_uncond)
 
     # -- 5. decode ------------------------------------------------------------------------------
     def latent_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,21 +383,22 @@ _TWO_EXPERTS = dict(experts=("transformer", "transformer_2"),
 WAN_T2V = ModelCard(
     name="wan2.1-t2v", pipeline_class="WanPipeline", tasks=(TaskType.T2V,),
     components=_WAN_COMMON, defaults=_WAN_DEFAULTS, rules=_WAN_RULES, instance=WanT2V,
-    pipeline_options=("boundary_ratio", "expand_timesteps"), **_WAN_SCHEDULER)
+    pipeline_options=("boundary_ratio", "expand_timesteps"), split=WAN_SPLIT, **_WAN_SCHEDULER)
 
 WAN_I2V = ModelCard(
     name="wan2.1-i2v", pipeline_class="WanImageToVideoPipeline", tasks=(TaskType.I2V,),
     components=_WAN_COMMON + _I2V_COMPONENTS, defaults=_WAN_DEFAULTS,
     rules=_WAN_RULES + _I2V_RULES, instance=WanI2V,
-    pipeline_options=("boundary_ratio", "expand_timesteps"), **_WAN_SCHEDULER)
+    pipeline_options=("boundary_ratio", "expand_timesteps"), split=WAN_SPLIT, **_WAN_SCHEDULER)
 
 WAN22_T2V = ModelCard(
     name="wan2.2-t2v", pipeline_class="WanPipeline", tasks=(TaskType.T2V,),
     components=_WAN_COMMON + _EXPERT_2, defaults=_WAN_DEFAULTS,
-    rules=_WAN_RULES + _WAN22_RULES, instance=WanT2V, **_TWO_EXPERTS, **_WAN_SCHEDULER)
+    rules=_WAN_RULES + _WAN22_RULES, instance=WanT2V, split=WAN_SPLIT, **_TWO_EXPERTS,
+    **_WAN_SCHEDULER)
 
 WAN22_I2V = ModelCard(
     name="wan2.2-i2v", pipeline_class="WanImageToVideoPipeline", tasks=(TaskType.I2V,),
     components=_WAN_COMMON + _EXPERT_2 + _I2V_COMPONENTS, defaults=_WAN_DEFAULTS,
-    rules=_WAN_RULES + _I2V_RULES + _WAN22_RULES, instance=WanI2V, **_TWO_EXPERTS,
-    **_WAN_SCHEDULER)
+    rules=_WAN_RULES + _I2V_RULES + _WAN22_RULES, instance=WanI2V, split=WAN_SPLIT,
+    **_TWO_EXPERTS, **_WAN_SCHEDULER)

@@ -38,7 +38,9 @@ from ..causal_attention import (
 )
 from ..errors import InvalidInputError
 from ..request import DiffusionParams, GenerationRequest, TaskType
-from .base import ModelCard, postprocess
+from .card import ModelCard
+from .instance import postprocess
+from .split import SplitSupport
 from .wan import _WAN_COMMON, WanT2V
 
 #: ``_flowseam_causal`` keys flowseam implements, and their defaults (Self-Forcing's
@@ -83,12 +85,6 @@ class WanCausalT2V(WanT2V):
     Latents ``(B, 16, F, H / 8, W / 8)`` with ``F = (num_frames - 1) // 4 + 1`` latent frames,
     generated in chunks of ``chunk_frames`` latent frames.
     """
-
-    SEQUENCE_SPLIT = None  # its chunks attend through the KV cache, which is not split
-    NO_SPLIT_REASON = ("the causal loop attends chunk by chunk through a KV cache; "
-                       "sequence parallelism of the cache is not implemented")
-    HAS_CFG_BRANCHES = False
-    NO_CFG_REASON = "the causal loop is not split over ranks"
 
     def __init__(self, card: ModelCard, platform, components, path, solver=None,
                  **kwargs) -> None:
@@ -417,4 +413,7 @@ WAN_CAUSAL_T2V = ModelCard(
     name="wan2.1-causal-t2v", pipeline_class="WanPipeline", tasks=(TaskType.T2V,),
     components=_WAN_COMMON, defaults=_CAUSAL_DEFAULTS, rules=_CAUSAL_RULES,
     instance=WanCausalT2V, loops=("wan_causal",), solver_from_scheduler=False,
-    pipeline_options=("boundary_ratio", "expand_timesteps"))
+    pipeline_options=("boundary_ratio", "expand_timesteps"),
+    split=SplitSupport(no_split_reason="the causal loop attends chunk by chunk through a KV "
+                       "cache; sequence parallelism of the cache is not implemented",
+                       no_cfg_reason="the causal loop is not split over ranks"))

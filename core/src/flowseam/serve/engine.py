@@ -56,7 +56,7 @@ from .jobs import Job, JobStore, new_job_id
 from .metrics import ServeMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..models.base import ModelInstance
+    from ..models.instance import ModelInstance
     from ..workflows import Workflow
 
 log = logging.getLogger("flowseam.serve")
@@ -137,7 +137,7 @@ class JobRequest:
 
         :raises BadRequest: for a ``lora`` or ``cache`` value that does not parse.
         """
-        from ..adapters import normalize_lora
+        from ..models.adapters import normalize_lora
         from ..loops.step_cache import normalize_cache
 
         extra = {}
@@ -754,13 +754,11 @@ class Engine:
 
 
 def _check(model: "ModelInstance", request: GenerationRequest, req: JobRequest) -> DiffusionParams:
-    """``model.check(request)`` (and, for a model split over ranks, ``model.check_parallel``:
-    tokens the split divides) as a :class:`BadRequest` naming the API field (``seconds`` when
-    the frame count came from it)."""
+    """``model.validate(request)`` (the card's rules and, for a model split over ranks, what the
+    split divides) as a :class:`BadRequest` naming the API field (``seconds`` when the frame count
+    came from it)."""
     try:
-        params = model.check(request)
-        model.check_parallel(params)
-        return params
+        return model.validate(request)
     except ValueError as exc:
         message, param = str(exc), _api_field(str(exc))
         if param == "frames" and req.seconds is not None:

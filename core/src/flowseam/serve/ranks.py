@@ -44,7 +44,7 @@ from ..parallel import agreed_stop
 from ..request import DiffusionParams, GenerationRequest, TaskType
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..models.base import ModelInstance
+    from ..models.instance import ModelInstance
 
 log = logging.getLogger("flowseam.serve")
 

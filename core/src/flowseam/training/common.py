@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import FlowseamError, RewardServerError
-from ..models.base import ModelInstance
+from ..models.instance import ModelInstance
 from .distributed import DataParallel, state_checksum
 from .checkpoint import (clean_temporaries, latest_checkpoint, load_checkpoint, rng_state,
                          save_checkpoint, set_rng_state)
@@ -59,7 +59,7 @@ class Stage:
                component: str | None = None, gradient_checkpointing: bool = False) -> "Stage":
         """The stage that trains ``model.components[component]``: by default the model's one DiT
         (``model.DIT``); ``component`` names another one — one DiT expert of a multi-expert model
-        (``joint_multi_rl``), or the LM of a :class:`~flowseam.refiner.PromptRefiner` (anything
+        (``joint_multi_rl``), or the LM of a :class:`~flowseam.prompt_refiner.PromptRefiner` (anything
         with ``components``, ``versions`` and ``bump_version``).
 
         :param gradient_checkpointing: the trainer's copy recomputes each block's activations
@@ -89,7 +89,8 @@ class Stage:
         if lora["rank"]:
             _add_lora(module, lora)  # the rollout copy gets the same adapters (zero-initialised)
         # a model split over ranks (flowseam.parallel) copies its DiT without the split
-        copy_of = model.unsplit_copy if isinstance(model, ModelInstance) else copy.deepcopy
+        split = model.parallel if isinstance(model, ModelInstance) else None
+        copy_of = split.unsplit_copy if split is not None else copy.deepcopy
         shared = {} if not lora["rank"] or dp.fsdp else {
             id(t): t for n, t in [*module.named_parameters(), *module.named_buffers()]
             if "lora_" not in n}  # the frozen base: the same tensors in every copy

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ..defaults import FILENAME, read_checkpoint_defaults, write_checkpoint_defaults
+from ..checkpoint_defaults import FILENAME, read_checkpoint_defaults, write_checkpoint_defaults
 from ..errors import FlowseamError
-from ..models.base import ModelInstance
+from ..models.instance import ModelInstance
 
 MODEL_DIR = "model"
 LORA_FILE = "pytorch_lora_weights.safetensors"

@@ -49,7 +49,7 @@ import torch
 
 from ..errors import FlowseamError, InvalidInputError
 from ..loading import load
-from ..models.base import Conditioning, ModelInstance
+from ..models.instance import Conditioning, ModelInstance
 from ..seam.platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, run_training

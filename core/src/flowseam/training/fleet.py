@@ -51,7 +51,7 @@ from .config import ConfigSection, Name, NonNegativeFloat, NonNegativeInt
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..loops import LoopResult
-    from ..models.base import ModelInstance
+    from ..models.instance import ModelInstance
     from ..request import GenerationRequest
     from .weight_sync import WeightUpdate
 

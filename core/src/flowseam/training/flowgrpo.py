@@ -84,7 +84,7 @@ import torch
 from ..errors import FlowseamError
 from ..loading import load
 from ..loops import ExecutionProfile, run_loop
-from ..models.base import ModelInstance
+from ..models.instance import ModelInstance
 from ..seam.platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training
@@ -188,8 +188,7 @@ def check_sampling_against(model: ModelInstance, sampling: dict[str, Any], table
     params = sampling_params(sampling)
     image = np.zeros((16, 16, 3), np.float32) if TaskType.I2V in model.card.tasks else None
     try:  # a split model ([parallel]) also checks that its split divides the rollouts' tokens
-        model.check_parallel(model.check(GenerationRequest("a prompt", model.card.task, params,
-                                                           image=image)))
+        model.validate(GenerationRequest("a prompt", model.card.task, params, image=image))
     except ValueError as exc:
         raise FlowseamError(f"config [{table}]: {exc}") from exc
 

@@ -27,7 +27,7 @@ from pydantic import Field
 from ..errors import InvalidInputError
 from ..loops import LoopResult, record_velocity
 from ..loops.solvers import SolverSteps
-from ..models.base import ModelInstance
+from ..models.instance import ModelInstance
 from .config import (
     ConfigSection,
     Names,

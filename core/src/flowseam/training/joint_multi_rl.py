@@ -11,7 +11,7 @@ Each step rolls out and scores exactly as ``flowgrpo`` does (the serve loop with
 ``ExecutionProfile.ROLLOUT``, groups of ``group_size`` samples per prompt, group-relative
 advantages). Every :class:`~flowseam.loops.BehaviorRecord` names the expert that ran its step
 (``record.expert``); before any update the step → expert map of every rollout is checked against
-the model's own (``model.expert_at(timestep)``), so a rollout replayed on a model with another
+the model's own (``model.experts.at(timestep)``), so a rollout replayed on a model with another
 boundary is refused instead of crediting the wrong expert. The trained steps (``timestep_fraction``
 of the SDE steps: all steps, or those of ``[sampling] sde_window``) are picked once per step for
 the whole model; each expert then runs its own PPO update
@@ -67,7 +67,7 @@ from ..errors import FlowseamError
 from ..loading import load, read_json, resolve_checkpoint
 from ..loops import LoopResult
 from ..models import card_for_index
-from ..models.base import ModelInstance
+from ..models.instance import ModelInstance
 from ..seam.platform import Platform
 from ..request import TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
@@ -152,7 +152,7 @@ def checkpoint_experts(path: str) -> tuple[str, ...]:
 
 def check_expert_map(model: ModelInstance, result: LoopResult) -> None:
     """Assert at replay that every record names the expert that owns its timestep on ``model``
-    (``model.expert_at``), as ``result.experts`` says.
+    (``model.experts.at``), as ``result.experts`` says.
 
     :raises FlowseamError: naming the first step whose expert disagrees.
     """
@@ -160,7 +160,7 @@ def check_expert_map(model: ModelInstance, result: LoopResult) -> None:
         raise FlowseamError(f"the rollout names {len(result.experts)} experts for "
                             f"{len(result.records)} steps: it was not produced by this loop")
     for j, (rec, name) in enumerate(zip(result.records, result.experts)):
-        owner = model.expert_at(rec.timestep)
+        owner = model.experts.at(rec.timestep)
         if not rec.expert == name == owner:
             raise FlowseamError(f"step {j} (timestep {float(rec.timestep.reshape(-1)[0]):.1f}) was recorded as "
                                 f"produced by {rec.expert!r}, but {model.card.name} assigns it to "
@@ -299,7 +299,7 @@ class JointMultiRL(FlowGRPO):
                 warnings.warn(
                     f"expert {stage.name!r} gets no SDE step (sde_window={window!r}, "
                     f"{self.sampling['num_steps']} steps, the experts switch at timestep "
-                    f"{self.model.boundary_timestep}): it cannot learn in this run; move the "
+                    f"{self.model.experts.boundary_timestep}): it cannot learn in this run; move the "
                     "window onto its steps or freeze it", UserWarning, stacklevel=3)
 
     # -- the run ----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ rewrite the task). Advantages are group-relative per level:
 
 A prompt with a non-finite reward in any of its samples is skipped at both levels (a warning and
 a counter). The LM and each DiT have their own trainer copy, optimizer, learning rate and
-WeightSyncPlan (the LM's hands the weights to the :class:`~flowseam.refiner.PromptRefiner` that
+WeightSyncPlan (the LM's hands the weights to the :class:`~flowseam.prompt_refiner.PromptRefiner` that
 samples). One process: data parallelism (``--nproc``) is not implemented for this method.
 
 Config (TOML/YAML or dict)::
@@ -79,9 +79,9 @@ from pydantic import Field
 from ..errors import FlowseamError
 from ..loading import load
 from ..loops import ExecutionProfile, run_loop
-from ..models.base import ModelInstance
+from ..models.instance import ModelInstance
 from ..seam.platform import Platform
-from ..refiner import PromptRefiner, RefinerSampling, check_template
+from ..prompt_refiner import PromptRefiner, RefinerSampling, check_template
 from ..request import GenerationRequest, TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
 from .config import (
@@ -117,7 +117,7 @@ LM_DIR = "lm"
 
 
 class LMSamplingOverrides(ConfigSection):
-    """``[lm_sampling]``: what replaces the LM directory's :class:`~flowseam.refiner.RefinerSampling`
+    """``[lm_sampling]``: what replaces the LM directory's :class:`~flowseam.prompt_refiner.RefinerSampling`
     (typed here; its ranges are checked by ``RefinerSampling`` itself)."""
 
     temperature: float | None = None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import FlowseamError, InvalidInputError
-from ..models.base import ModelInstance
+from ..models.instance import ModelInstance
 from .distributed import full_state, whole
 
 

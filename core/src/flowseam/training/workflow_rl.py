@@ -54,7 +54,7 @@ import torch
 from ..errors import FlowseamError
 from ..loading import load
 from ..loops import ExecutionProfile, run_loop
-from ..models.base import ModelInstance
+from ..models.instance import ModelInstance
 from ..seam.platform import Platform
 from ..request import GenerationRequest, TaskType
 from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated

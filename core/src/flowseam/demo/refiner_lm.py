@@ -100,7 +100,7 @@ def noisy_pairs(n: int, noise: float, seed: int) -> list[tuple[str, str]]:
 def build_refiner(path: str | Path, steps: int = 400, noise: float = 0.5, seed: int = 0,
                   lr: float = 3e-3, batch_size: int = 32, verbose: bool = False) -> Path:
     """Pretrain the digits refiner (see the module docstring) and save it, with its template and
-    sampling settings, into ``path`` (``flowseam.refiner.PromptRefiner.load`` reads it).
+    sampling settings, into ``path`` (``flowseam.prompt_refiner.PromptRefiner.load`` reads it).
 
     :param steps: optimizer steps of the causal-LM loss (AdamW, linear decay, batch
         ``batch_size``).
@@ -112,7 +112,7 @@ def build_refiner(path: str | Path, steps: int = 400, noise: float = 0.5, seed: 
                               TrainingArguments)
     from transformers.trainer_callback import PrinterCallback
 
-    from ..refiner import PromptRefiner, RefinerSampling
+    from ..prompt_refiner import PromptRefiner, RefinerSampling
 
     if not 0.0 <= noise <= 1.0:
         raise InvalidInputError(f"noise={noise} must be in [0, 1]")

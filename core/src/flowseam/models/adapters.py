@@ -52,43 +52,16 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from .errors import FlowseamError
-from .policies import LoraSpec, normalize_lora  # noqa: F401  (re-exported: defined in the seam)
+from ..errors import FlowseamError
+from ..request_fields import LoraSpec, normalize_lora  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 #: the adapter slot's name in a DiT switched by hot-swapping
 SLOT = "flowseam_slot"
-
-
-class AdaptedCard(Protocol):
-    """What an :class:`AdapterSet` reads of a model's card (a
-    :class:`~flowseam.models.base.ModelCard` is one)."""
-
-    @property
-    def name(self) -> str: ...  # the card's name, in error messages
-
-    @property
-    def pipeline_class(self) -> str: ...  # the diffusers pipeline whose LoRA reader it uses
-
-    @property
-    def experts(self) -> tuple[str, ...]: ...  # the DiT experts' component names, high-noise first
-
-
-class AdaptedModel(Protocol):
-    """What an :class:`AdapterSet` drives: a model's card and its DiT experts (component name →
-    ``torch.nn.Module``). A :class:`~flowseam.models.base.ModelInstance` is one. The adapters
-    need nothing else of it, so :mod:`flowseam.models.base`, which gives every model its set
-    (``model.adapters``), imports this module and this module imports no model."""
-
-    @property
-    def card(self) -> AdaptedCard: ...
-
-    @property
-    def experts(self) -> Mapping[str, "torch.nn.Module"]: ...
 
 
 @dataclass
@@ -134,17 +107,20 @@ class _Expert:
 class AdapterSet:
     """The LoRA adapters of one model (``model.adapters``): read once, switched per request.
 
-    :param model: the model whose DiT experts it drives (:class:`AdaptedModel`: a
-        :class:`~flowseam.models.base.ModelInstance`).
+    :param model: the model's name (in error messages).
+    :param pipeline_class: the card's diffusers pipeline class, whose ``lora_state_dict`` reads
+        the files (``"WanPipeline"``).
+    :param experts: the model's DiT experts (component name → module, high-noise first; a live
+        mapping: :class:`~flowseam.models.experts.Experts`).
     :param hotswap: ``True``/``False`` to force a switching mode for every expert; None (the
         default): hot-swap exactly the experts that are compiled (``torch.compile``).
     :param min_slot_rank: the smallest rank of a hot-swap slot (room for adapters loaded later
         without rebuilding it).
     """
 
-    def __init__(self, model: AdaptedModel, hotswap: bool | None = None,
-                 min_slot_rank: int = 16) -> None:
-        self.model = model
+    def __init__(self, model: str, pipeline_class: str, experts: Mapping[str, "torch.nn.Module"],
+                 hotswap: bool | None = None, min_slot_rank: int = 16) -> None:
+        self.model, self.pipeline_class, self.experts = model, pipeline_class, experts
         self.force_hotswap = hotswap
         self.min_slot_rank = min_slot_rank
         #: (absolute path, expert) → Adapter, in load order
@@ -173,7 +149,7 @@ class AdapterSet:
         if not state.hotswap:
             with warnings.catch_warnings():  # peft's notice that a model holds several adapters
                 warnings.filterwarnings("ignore", message="Already found a `peft_config`")
-                self.model.experts[name].load_lora_adapter(
+                self.experts[name].load_lora_adapter(
                     {f"transformer.{k}": v for k, v in adapter.state_dict.items()},
                     prefix="transformer", adapter_name=adapter.name,
                     network_alphas=adapter.network_alphas,
@@ -184,11 +160,10 @@ class AdapterSet:
         return adapter
 
     def _expert_name(self, spec: LoraSpec) -> str:
-        experts = self.model.card.experts
-        name = spec.expert or experts[0]
-        if name not in self.model.experts:
-            raise FlowseamError(f"lora {spec.path}@{spec.expert}: {self.model.card.name} has DiT "
-                                f"experts {list(self.model.experts)}")
+        name = spec.expert or next(iter(self.experts))
+        if name not in self.experts:
+            raise FlowseamError(f"lora {spec.path}@{spec.expert}: {self.model} has DiT "
+                                f"experts {list(self.experts)}")
         return name
 
     def _read(self, path: Path, expert: str, name: str) -> Adapter:
@@ -200,12 +175,12 @@ class AdapterSet:
         if path.suffix != ".safetensors":
             raise FlowseamError(f"lora {path}: only .safetensors LoRA files are read (a pickled "
                                 "checkpoint could run code); convert it to safetensors first")
-        loader = getattr(diffusers, self.model.card.pipeline_class)
+        loader = getattr(diffusers, self.pipeline_class)
         # Flux's reader returns (state_dict, alphas, metadata), Wan's (state_dict, metadata)
         out = loader.lora_state_dict(str(path.parent), weight_name=path.name, use_safetensors=True,
                                      return_lora_metadata=True, return_alphas=True)
         state_dict, alphas, metadata = out if len(out) == 3 else (out[0], None, out[1])
-        dit = self.model.experts[expert]
+        dit = self.experts[expert]
         expand = getattr(loader, "_maybe_expand_t2v_lora_for_i2v", None)
         if expand is not None:  # a T2V LoRA on an I2V DiT: zero image projections, as diffusers
             given = set(state_dict)  # (kept only where the DiT has them: zeros change nothing)
@@ -222,7 +197,7 @@ class AdapterSet:
         ranks, bad = self._check_layers(dit, state_dict)
         if bad:
             raise FlowseamError(self._unmatched(path, bad, f"match no layer of "
-                                                f"{self.model.card.name}'s {expert} (another base "
+                                                f"{self.model}'s {expert} (another base "
                                                 "model, or another rank layout?)"))
         strip = lambda d: {k.removeprefix("transformer."): v for k, v in d.items()  # noqa: E731
                            if k.startswith("transformer.")} if d else None
@@ -276,7 +251,7 @@ class AdapterSet:
         specs = tuple(specs)
         if not specs and not self.loaded:
             return  # a model that never saw an adapter: nothing to switch
-        wanted: dict[str, list[tuple[Adapter, float]]] = {name: [] for name in self.model.experts}
+        wanted: dict[str, list[tuple[Adapter, float]]] = {name: [] for name in self.experts}
         for spec in specs:
             adapter = self.load(spec.path, spec.expert)
             wanted[adapter.expert].append((adapter, float(spec.weight)))
@@ -296,7 +271,7 @@ class AdapterSet:
             state.active = key
 
     def _switch(self, name: str, state: _Expert, chosen: list[tuple[Adapter, float]]) -> None:
-        dit = self.model.experts[name]
+        dit = self.experts[name]
         if not state.hotswap:
             if not chosen:
                 if getattr(dit, "peft_config", None):
@@ -326,13 +301,13 @@ class AdapterSet:
 
     def _state(self, name: str) -> _Expert:
         if name not in self._experts:
-            module = self.model.experts[name]
+            module = self.experts[name]
             # compiled whole or, as accel does, block by block (regional compilation)
             compiled = any(getattr(m, "_compiled_call_impl", None) is not None
                            for m in module.modules())
             foreign = sorted(set(getattr(module, "peft_config", {})))
             if foreign:
-                raise FlowseamError(f"{self.model.card.name}'s {name} already has peft adapters "
+                raise FlowseamError(f"{self.model}'s {name} already has peft adapters "
                                     f"{foreign} (a LoRA training run?); serve-time LoRA sets need "
                                     "a DiT without them")
             hotswap = compiled if self.force_hotswap is None else self.force_hotswap
@@ -350,7 +325,7 @@ class AdapterSet:
         for name, state in self._experts.items():
             if not state.active:
                 continue
-            dit = self.model.experts[name]
+            dit = self.experts[name]
             layers = ({state_layer for a in self.loaded.values() if a.expert == name
                        for state_layer in a.layers} if not state.hotswap else state.slot_layers)
             state.base_weights = {layer: _base(dit, layer).weight.detach().clone()
@@ -365,7 +340,7 @@ class AdapterSet:
         for name, state in self._experts.items():
             if state.fused is None:
                 continue
-            dit = self.model.experts[name]
+            dit = self.experts[name]
             dit.unfuse_lora()
             for layer, weight in state.base_weights.items():
                 _base(dit, layer).weight.data.copy_(weight)
@@ -389,7 +364,7 @@ class AdapterSet:
             raise FlowseamError(f"lora {path} is fused; unfuse first")
         del self.loaded[key]
         if not state.hotswap:
-            self.model.experts[adapter.expert].delete_adapters(adapter.name)
+            self.experts[adapter.expert].delete_adapters(adapter.name)
         if state.active and any(n == adapter.name for n, _ in state.active):
             self._switch(adapter.expert, state, [])
             state.active = ()
