@@ -243,13 +243,16 @@ def test_a_config_schema_error_is_bad_input_naming_the_field(tmp_path, monkeypat
     value; a valid value runs the method."""
     import pydantic
 
-    from flowseam import training
+    from flowseam.cli import train
+    from flowseam.seam import TrainingMethod
 
     class Config(pydantic.BaseModel):
         steps: int
 
-    class CountingMethod:
+    class CountingMethod(TrainingMethod):
         """Counts its steps."""
+
+        name = "counting"
 
         def __init__(self, config):
             self.steps = Config.model_validate(config).steps
@@ -257,7 +260,7 @@ def test_a_config_schema_error_is_bad_input_naming_the_field(tmp_path, monkeypat
         def run(self, progress=False):
             return {"steps": self.steps, "records": [{"step": s} for s in range(self.steps)]}
 
-    monkeypatch.setattr(training, "get_method", lambda name: CountingMethod)
+    monkeypatch.setattr(train, "get_method", lambda name: CountingMethod)
     config = tmp_path / "counting.toml"
     config.write_text('steps = "many"\n')
     argv = ["train", "--method", "counting", "--config", str(config), "--output-dir", str(tmp_path)]

@@ -181,7 +181,7 @@ def test_discovery_imports_no_training_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     imported, methods = out.stdout.splitlines()
-    assert imported == "['flowseam.training.builtin', 'flowseam.training.toy_rewards']"
+    assert imported == "['flowseam.training.builtin']"
     assert methods == "['finetune', 'flowgrpo']"
 
 

@@ -211,7 +211,8 @@ def test_a_reward_workers_fault_reaches_the_trainer_as_it_is(trainers):
     """A reward that raises in a reward actor: the trainer gets the RewardFaultError itself
     (naming the reward and its plugin, one line), not Ray's wrapper with a remote traceback."""
     from flowseam import RewardFaultError
-    from flowseam.training.rewards import ChannelContrast, Reward, RewardComponent
+    from flowseam.rewards.simple import ChannelContrast
+    from flowseam.rewards.spec import Reward, RewardComponent
 
     _, remote = trainers
     fleet = remote.fleet

@@ -222,7 +222,7 @@ def test_informative_reward_beats_the_constant_reward_control(ckpt, cpu):
     model beyond the seed-to-seed spread of the constant-reward control (whose experts cannot
     move: test_constant_reward_leaves_every_expert_bit_identical, so it is evaluated
     untrained)."""
-    from flowseam.training.rewards import brightness
+    from flowseam.rewards.simple import brightness
 
     cfg = _config(prompts=["a ball"], group_size=4, steps=8, grpo=dict(beta=0.0, clip_range=0.2),
                   optim=dict(lr=3e-3))

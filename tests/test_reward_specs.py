@@ -18,7 +18,7 @@ from flowseam.testing.tiny import write_tiny_checkpoint
 from flowseam.training.flowgrpo import FlowGRPO
 from flowseam.training.joint_multi_rl import JointMultiRL
 from flowseam.training.metrics import read_metrics
-from flowseam.training.rewards import Reward, RewardComponent, as_reward, build_reward
+from flowseam.rewards.spec import Reward, RewardComponent, as_reward, build_reward
 from flowseam.training.unified_rl import UnifiedRL
 from flowseam.training.workflow_rl import WorkflowRL
 

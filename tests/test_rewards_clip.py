@@ -265,7 +265,7 @@ def test_through_get_reward(dirs, oracle):
     """The ``clip_score`` the rewards plugin registers, built with reward_args, through the
     method's own score check."""
     from flowseam.training import get_reward
-    from flowseam.training.rewards import score
+    from flowseam.rewards.spec import score
 
     reward = get_reward("clip_score", model=str(dirs["clip"]), device="cpu")
     assert isinstance(reward, ClipScore)

@@ -248,7 +248,7 @@ def test_informative_reward_beats_the_constant_reward_control(ckpts, cpu):
     The control's weights cannot move (every advantage is 0: asserted bit for bit by
     test_constant_reward_leaves_every_parameter_unchanged), so its held-out means are those of
     the untrained model: the control is evaluated without spending a training run on it."""
-    from flowseam.training.rewards import brightness
+    from flowseam.rewards.simple import brightness
 
     # 10 steps: the gain passes the spread after 4 and is 3.5 spreads after 8 (measured); the
     # former 30-step run cost 4 minutes on 2 cores for the same verdict

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
-from ..quiet import quiet_libraries
 from ..errors import InvalidInputError
+from ..quiet import quiet_libraries
+from ..seam.methods import TrainingMethod, get_method, method_summaries
 from .parsing import HelpFormatter
 
 
@@ -42,24 +42,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train)
 
 
-def show_config(name: str, method: Any) -> str:
-    """What ``flowseam train --method NAME --show-config`` prints: the method's summary and
-    every config key with its default, as TOML (or its docstring, for a method that does not
-    publish its keys)."""
+def show_config(name: str, method: type[TrainingMethod]) -> str:
+    """What ``flowseam train --method NAME --show-config`` prints: the method's summary and every
+    config key with its default, as TOML (or its documentation, for a method that publishes no
+    keys)."""
     import inspect
 
     from ..training.config import as_toml
 
-    doc = inspect.getdoc(method) or ""
-    summary = first_sentence(doc)
-    module_doc = inspect.getdoc(inspect.getmodule(method)) or ""
-    if not hasattr(method, "default_config"):
-        return (f"# {name}: {summary}\n# this method does not publish its config keys "
-                f"(no default_config()); its documentation:\n\n{module_doc or doc}\n")
-    head = f"{name}: {summary}\nEvery key with its default; a commented key has none (required, " \
-           "or chosen at run time).\nSee the method's documentation for what each means:\n" \
-           f"python -c \"import {method.__module__} as m; help(m)\""
-    return as_toml(method.default_config(), tuple(getattr(method, "CONFIG_TABLES", ())), head)
+    config = method.default_config()
+    if not config:
+        module_doc = inspect.getdoc(inspect.getmodule(method)) or inspect.getdoc(method) or ""
+        return (f"# {name}: {method.summary()}\n# this method publishes no config keys "
+                f"(default_config() is empty); its documentation:\n\n{module_doc}\n")
+    head = f"{name}: {method.summary()}\nEvery key with its default; a commented key has none " \
+           "(required, or chosen at run time).\nSee the method's documentation for what each " \
+           f"means:\npython -c \"import {method.__module__} as m; help(m)\""
+    return as_toml(config, method.config_tables, head)
 
 
 def _set_override(config: dict, override: str) -> None:
@@ -85,7 +84,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run a registered training method with a TOML/YAML config (on ``--nproc`` ranks)."""
     import os
 
-    from ..training import get_method
     from ..training.config import load_config
 
     quiet_libraries()
@@ -109,10 +107,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..parallel import is_rank_of
 
     launcher = args.nproc is not None and args.nproc > 1 and not is_rank_of(args.nproc)
-    if launcher:  # not yet a rank
-        check = getattr(method, "check_world_size", None)
-        if check is not None:
-            check(config, args.nproc)  # e.g. a batch that does not split: fail before spawning
+    if launcher:  # not yet a rank: e.g. a batch that does not split fails before spawning
+        method.check_world_size(config, args.nproc)
     if not config.get("output_dir"):
         raise InvalidInputError(
             "the run needs somewhere to write its trained model: set output_dir in "
@@ -145,22 +141,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _registered_methods_text() -> str:
     """The train command's epilog: the registered methods (discovered when help is shown)."""
-    from ..training import registered_methods
-
     try:
-        methods = registered_methods()
+        methods = method_summaries()
     except Exception as exc:  # help must still print
         return f"(cannot list the training methods: {type(exc).__name__}: {exc})"
     lines = ["registered methods (--method NAME --show-config prints the keys of its config",
              "with their defaults):"]
-    for name, cls in sorted(methods.items()):
-        lines.append(f"  {name:<14}{first_sentence(cls.__doc__)}")
+    lines += [f"  {name:<15} {summary}" for name, summary in sorted(methods.items())]
     return "\n".join(lines)
-
-
-def first_sentence(doc: str | None) -> str:
-    """The first sentence of a docstring, as plain text (no RST ``literal`` markup)."""
-    text = " ".join((doc or "").strip().split("\n\n")[0].split()).replace("``", "")
-    end = text.find(". ")
-    return text if end < 0 else text[:end + 1]
-

@@ -3,7 +3,7 @@
 Registered through the ``flowseam_rewards`` hook by :mod:`flowseam.rewards.plugin` (core's entry
 point ``rewards`` in the ``flowseam.plugins`` group); importing that module is cheap, each reward's
 model loads when the reward is built. Every reward follows the contract of
-:mod:`flowseam.training.rewards`: ``reward(prompts: list[str], outputs: np.ndarray (B, F, H, W, 3)
+:mod:`flowseam.rewards.spec`: ``reward(prompts: list[str], outputs: np.ndarray (B, F, H, W, 3)
 float in [0, 1]) -> torch.Tensor (B,) float32``; a video is scored per frame and averaged.
 
 * ``ocr`` (:mod:`flowseam.rewards.ocr`): Flow-GRPO's text-rendering reward, read by PaddleOCR's

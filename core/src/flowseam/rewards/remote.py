@@ -2,7 +2,7 @@
 ``reward = "http://127.0.0.1:PORT/NAME"`` in a training config builds (with ``reward_args`` as
 its keyword arguments).
 
-It follows the reward contract of :mod:`flowseam.training.rewards` like an in-process reward, so a
+It follows the reward contract of :mod:`flowseam.rewards.spec` like an in-process reward, so a
 training method cannot tell the two apart: the same samples get the same scores, because the
 default wire format (safetensors, :mod:`flowseam.rewards.wire`) carries the float32 frames
 exactly. Requests go through ``httpx``, JSON only — never pickle.

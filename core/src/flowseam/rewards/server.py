@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import FlowseamError, InvalidInputError
+from ..seam.discovery import claims
 from . import wire
 
 log = logging.getLogger("flowseam.rewards.server")
@@ -101,10 +102,8 @@ def provenance(name: str) -> dict[str, str]:
     """The plugin that registers reward ``name`` (``"<plugin>:<name>"`` too): ``{"plugin",
     "distribution", "version"}`` (``"?"`` each when no plugin registers it: a callable given to
     :func:`build_app` directly)."""
-    from ..training import _claims
-
     plugin, sep, short = name.rpartition(":")
-    for rec, _ in _claims("rewards").get(short if sep else name, []):
+    for rec, _ in claims("rewards").get(short if sep else name, []):
         if not sep or rec.name == plugin:
             return {"plugin": rec.name, "distribution": rec.distribution,
                     "version": str(rec.version)}
@@ -267,7 +266,7 @@ def run(opts: RewardServeOptions) -> int:
 
     from ..quiet import quiet_libraries
     from ..serve.server import bind
-    from ..training import get_reward
+    from ..seam.rewards import get_reward
 
     check_options(opts)
     origin = provenance(opts.reward)
@@ -290,7 +289,7 @@ def run(opts: RewardServeOptions) -> int:
             raise
         except Exception as exc:  # the plugin's factory failed: its fault, named as in training
             from ..seam.faults import describe, is_out_of_memory
-            from ..training.rewards import RewardComponent
+            from .spec import RewardComponent
 
             if is_out_of_memory(exc):
                 raise

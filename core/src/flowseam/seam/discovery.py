@@ -367,6 +367,78 @@ def _entry_point_value_loader(name: str, value: str) -> Callable[[], Any]:
     return metadata.EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP).load
 
 
+# -- the names plugins register (training methods, rewards) --------------------------------------
+
+def claims(attr: str) -> dict[str, list[tuple[PluginRecord, Any]]]:
+    """name → ``[(plugin record, registered object)]`` of every usable plugin, in plugin-name
+    order; ``attr`` is ``"methods"`` or ``"rewards"``. A registered object may still be an
+    import path (:func:`registered_object` imports it)."""
+    found: dict[str, list[tuple[PluginRecord, Any]]] = {}
+    for rec in sorted(discover().usable(), key=lambda r: r.name):
+        for name, obj in getattr(rec, attr).items():
+            found.setdefault(name, []).append((rec, obj))
+    return found
+
+
+def registered_object(rec: PluginRecord, obj: Any) -> Any:
+    """``obj`` itself, or for an import path ``"package.module:attr"`` (how a plugin registers a
+    method without importing it at discovery) the object it names.
+
+    :raises PluginLoadError: naming the plugin and the path when it cannot be imported.
+    """
+    if not isinstance(obj, str):
+        return obj
+    try:
+        return _entry_point_value_loader(rec.name, obj)()  # resolved as an entry point's value
+    except Exception as exc:
+        raise PluginLoadError(f"plugin {rec.name!r} ({rec.distribution} {rec.version}) registers "
+                              f"{obj!r}, which cannot be imported: {type(exc).__name__}: "
+                              f"{exc}") from exc
+
+
+def registered(attr: str) -> dict[str, tuple[PluginRecord, Any]]:
+    """name → (plugin record, imported object) of everything the usable plugins register as
+    ``attr``; a name two plugins register appears only qualified, as ``"<plugin>:<name>"``."""
+    out: dict[str, tuple[PluginRecord, Any]] = {}
+    for name, found in claims(attr).items():
+        if len(found) == 1:
+            rec, obj = found[0]
+            out[name] = (rec, registered_object(rec, obj))
+        else:  # a conflict: only the qualified names resolve
+            out.update({f"{rec.name}:{name}": (rec, registered_object(rec, obj))
+                        for rec, obj in found})
+    return out
+
+
+def resolve(attr: str, what: str, name: str) -> tuple[PluginRecord, Any]:
+    """``(plugin record, imported object)`` registered as ``name`` (or ``"plugin:name"``).
+
+    :raises InvalidInputError: for an unknown name (listing the registered ones), or a name that
+        two or more plugins register (listing them, and how to choose): never a silent winner.
+    :raises PluginLoadError: when its import path cannot be imported.
+    """
+    found = claims(attr)
+    plugin, sep, short = name.rpartition(":")
+    if sep and short in found:
+        for rec, obj in found[short]:
+            if rec.name == plugin:
+                return rec, registered_object(rec, obj)
+    if name not in found:
+        raise InvalidInputError(
+            f"unknown {what} {name!r}; registered {attr}: {sorted(registered(attr))}")
+    if len(found[name]) > 1:
+        who = ", ".join(f"{rec.name!r} ({rec.distribution} {rec.version})"
+                        for rec, _ in found[name])
+        first = found[name][0][0].name
+        others = ",".join(rec.name for rec, _ in found[name][1:])
+        raise InvalidInputError(
+            f"{what} {name!r} is registered by {len(found[name])} plugins: {who}; flowseam does "
+            f"not pick one silently. Name one as '{first}:{name}', or block the others with "
+            f"FLOWSEAM_DISABLE_PLUGINS={others}")
+    rec, obj = found[name][0]
+    return rec, registered_object(rec, obj)
+
+
 def _dist_name(ep: metadata.EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     return dist.metadata["Name"] if dist is not None else "?"

@@ -25,7 +25,7 @@ def flowseam_training_methods():
 
 @hookimpl
 def flowseam_rewards():
-    from .toy_rewards import BUILTIN_REWARDS
+    from ..rewards.simple import BUILTIN_REWARDS
 
     return dict(BUILTIN_REWARDS)
 

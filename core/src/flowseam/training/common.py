@@ -3,6 +3,7 @@ checkpoint and metrics plumbing."""
 
 from __future__ import annotations
 
+import abc
 import copy
 import json
 import time
@@ -15,6 +16,7 @@ import torch
 
 from ..errors import FlowseamError, RewardServerError
 from ..models.instance import ModelInstance
+from ..seam.methods import TrainingMethod
 from .distributed import DataParallel, state_checksum
 from .checkpoint import (clean_temporaries, latest_checkpoint, load_checkpoint, rng_state,
                          save_checkpoint, set_rng_state)
@@ -344,8 +346,38 @@ class Timer:
         return _Ctx()
 
 
-def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> list[dict[str, Any]]:
-    """The outer loop every method shares: take the ``output_dir``'s lock, resume from
+class SteppedMethod(TrainingMethod):
+    """A training method that runs :func:`run_training`'s outer loop (flowseam's own): it keeps
+    its run's files and step count and implements :meth:`train_step`.
+
+    :ivar files: the run directory's files (:class:`RunFiles`).
+    :ivar step: the steps done (a resumed run starts at its checkpoint's).
+    :ivar config: the checked config (``steps`` is the run's length).
+    :ivar progress: whether :func:`run_training` shows a progress bar.
+    :ivar dp: the data-parallel ranks (None: one process).
+    :ivar reward: the reward the method scores with (None for a method without one).
+    :ivar fleet: its Ray rollout fleet, when it rolls out on one.
+    :ivar skipped_groups: groups skipped because every sample's reward was NaN, kept in its
+        checkpoints (None for a method without groups).
+    """
+
+    files: "RunFiles"
+    config: dict[str, Any]
+    step: int = 0
+    progress: bool = True
+    dp: DataParallel | None = None
+    reward: Any = None
+    fleet: Any = None
+    skipped_groups: int | None = None
+
+    @abc.abstractmethod
+    def train_step(self) -> dict[str, Any]:
+        """One step; its metrics record (``step`` 1-based, written to ``metrics.jsonl``)."""
+
+
+def run_training(method: SteppedMethod, stages: list[Stage], desc: str,
+                 postfix: str) -> list[dict[str, Any]]:
+    """The outer loop every built-in method shares: take the ``output_dir``'s lock, resume from
     ``method.files``' latest checkpoint (and say so), then call ``method.train_step()`` until
     ``method.config["steps"]`` (stopping at non-finite weights), with a progress bar showing
     ``postfix`` from each record when ``method.progress`` is set; then, with an ``output_dir``,
@@ -366,7 +398,7 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
     if method.files.output_dir is not None:
         for s in exportable_stages(stages):
             check_exportable(s.model)
-    dp = getattr(method, "dp", None) or DataParallel.single()
+    dp = method.dp or DataParallel.single()
     records: list[dict[str, Any]] = []
     bar = tap = None
     try:
@@ -374,7 +406,8 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
         state = method.files.resume(stages)
         if state is not None:
             method.step = state["step"]
-            method.skipped_groups = state.get("skipped_groups", 0)
+            if method.skipped_groups is not None:
+                method.skipped_groups = state.get("skipped_groups", 0)
             if method.progress and dp.is_main:
                 print(f"{desc}: resuming from {method.files.resumed_from.name} in "
                       f"{method.files.output_dir} (step {method.step} of {method.config['steps']})")
@@ -402,9 +435,10 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
             bar = None
         check_replicas(dp, stages)
         if method.files.output_dir is not None:  # still under the lock
-            extra = {"skipped_groups": method.skipped_groups} if hasattr(method, "skipped_groups") else {}
+            extra = {} if method.skipped_groups is None else \
+                {"skipped_groups": method.skipped_groups}
             method.files.maybe_checkpoint(method.step, stages, extra, final=True)
-            method.files.export(getattr(method, "name", desc), method.step, stages)
+            method.files.export(method.name, method.step, stages)
     finally:
         if tap is not None:
             tap.detach()
@@ -414,7 +448,7 @@ def run_training(method: Any, stages: list[Stage], desc: str, postfix: str) -> l
     return records
 
 
-def reward_server_stopped(method: Any, stages: list[Stage], desc: str, dp: DataParallel,
+def reward_server_stopped(method: SteppedMethod, stages: list[Stage], desc: str, dp: DataParallel,
                           rng: tuple, exc: RewardServerError) -> RewardServerError:
     """The error that stops a run whose reward server stayed down during step
     ``method.step + 1``: ``exc``'s message, then the last complete checkpoint and how to resume.
@@ -432,8 +466,8 @@ def reward_server_stopped(method: Any, stages: list[Stage], desc: str, dp: DataP
     else:
         if dp.world_size == 1 and dp.is_main and method.step > 0:
             set_rng_state(*rng)
-            extra = {"skipped_groups": method.skipped_groups} \
-                if hasattr(method, "skipped_groups") else {}
+            extra = {} if method.skipped_groups is None else \
+                {"skipped_groups": method.skipped_groups}
             files.maybe_checkpoint(method.step, stages, extra, final=True)
         latest = latest_checkpoint(files.checkpoint_dir) if files.checkpoint_dir.is_dir() else None
         if latest is None:
@@ -467,7 +501,7 @@ def reward_summary(rewards: torch.Tensor,
     """``reward_mean`` and ``reward_std`` (population) of the finite entries of ``rewards``
     (NaN when none is finite); for a weighted-sum reward also each component's
     ``reward_<label>_mean`` and ``reward_<label>_std`` over its own finite scores (``parts``:
-    label → scores, :attr:`flowseam.training.rewards.RewardScores.parts`)."""
+    label → scores, :attr:`flowseam.rewards.spec.RewardScores.parts`)."""
     def stats(values: torch.Tensor) -> tuple[float, float]:
         finite = values[torch.isfinite(values)]
         if not finite.numel():

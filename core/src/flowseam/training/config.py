@@ -113,6 +113,11 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 Name = Annotated[str, Field(min_length=1)]
 #: A non-empty list of non-empty strings (a tuple is accepted; a bare string is not).
 Names = Annotated[list[Name], Field(min_length=1), BeforeValidator(tuple_to_list)]
+#: The ``reward`` key of a config: a name, a reward server URL, or a table of weights (checked
+#: by :func:`flowseam.rewards.spec.build_reward`, which names the bad value).
+RewardSpec = Name | dict[Name, Any]
+#: The ``reward_timeout`` key: finite seconds > 0.
+RewardTimeout = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 #: ``[start, end)`` step indices with ``0 <= start < end``.
 StepWindow = Annotated[list[NonNegativeInt], Field(min_length=2, max_length=2),
                        BeforeValidator(tuple_to_list)]

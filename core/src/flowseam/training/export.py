@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint_defaults import FILENAME, read_checkpoint_defaults, write_checkpoint_defaults
+from ..checkpoint_defaults import read_checkpoint_defaults, write_checkpoint_defaults
 from ..errors import FlowseamError
 from ..models.instance import ModelInstance
 

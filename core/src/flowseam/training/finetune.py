@@ -52,7 +52,7 @@ from ..loading import load
 from ..models.instance import Conditioning, ModelInstance
 from ..seam.platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
-from .common import RunFiles, Stage, Timer, derive_seed, run_training
+from .common import RunFiles, Stage, SteppedMethod, Timer, derive_seed, run_training
 from .config import (
     ConfigSection,
     LoraSection,
@@ -175,7 +175,7 @@ class Example:
     params: DiffusionParams
 
 
-class Finetune:
+class Finetune(SteppedMethod):
     """Flow-matching fine-tuning of a model's DiT. ``Finetune(config, dataset=...).run()``.
 
     Every example is encoded once (VAE latents, prompt embeddings and, for image-to-video, the
@@ -187,7 +187,7 @@ class Finetune:
 
     name = "finetune"
     #: the config's tables (``flowseam train --method finetune --show-config``)
-    CONFIG_TABLES = ("sampling", "train", "optim", "lora", "distributed")
+    config_tables = ("sampling", "train", "optim", "lora", "distributed")
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:

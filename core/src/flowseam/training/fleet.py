@@ -26,9 +26,9 @@ here; flowseam has no scheduler of its own.
 * **Rewards** may run in their own actors (``reward_workers``): a rollout task returns its frames
   as a separate object that goes from the rollout worker to a reward worker through the object
   store, never through the driver. A reward worker holds the trainer's reward as
-  :func:`flowseam.training.rewards.build_reward` built it (pickled: every component's callable
+  :func:`flowseam.rewards.spec.build_reward` built it (pickled: every component's callable
   must be picklable) and scores with its checks and timeout; it returns
-  :class:`~flowseam.training.rewards.RewardScores` (a weighted sum's components included). A
+  :class:`~flowseam.rewards.spec.RewardScores` (a weighted sum's components included). A
   :class:`~flowseam.errors.RewardFaultError` it raises reaches the trainer as it is.
 
 Placement: the rollout workers' resources (``num_cpus``/``num_gpus`` each) are reserved as one
@@ -134,10 +134,10 @@ class RolloutWorker:
 class RewardWorker:
     """A reward in its own actor: ``score(prompts, frames) -> RewardScores`` (the total ``(B,)``
     and, for a weighted sum, each component's), checked as in the trainer
-    (:meth:`flowseam.training.rewards.Reward.score`)."""
+    (:meth:`flowseam.rewards.spec.Reward.score`)."""
 
     def __init__(self, reward: Any) -> None:
-        from .rewards import as_reward
+        from ..rewards.spec import as_reward
 
         self.reward = as_reward(reward)
 
@@ -279,7 +279,7 @@ class RolloutFleet:
         :param prompts: per request, the prompts its reward is scored with (reward workers only).
         :returns: ``(results, rewards)``: one LoopResult (with its frames and BehaviorRecords)
             per request, in order; with reward workers one
-            :class:`~flowseam.training.rewards.RewardScores` per request, else None.
+            :class:`~flowseam.rewards.spec.RewardScores` per request, else None.
         :raises FlowseamError: when more workers died than ``max_replacements``; a worker's own
             error (a bad request, a :class:`~flowseam.errors.RewardFaultError`) is raised as it
             is.

@@ -87,7 +87,7 @@ from ..loops import ExecutionProfile, run_loop
 from ..models.instance import ModelInstance
 from ..seam.platform import Platform
 from ..request import DiffusionParams, GenerationRequest, TaskType
-from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training
+from .common import RunFiles, Stage, SteppedMethod, Timer, derive_seed, reward_summary, run_training
 from .config import (
     ConfigSection,
     LoraSection,
@@ -106,7 +106,8 @@ from .config import (
 from .distributed import DataParallel, DistributedSection, ParallelSection, data_parallel
 from .fleet import RaySection, fleet_from_config
 from .grpo import GroupRLConfig, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
-from .rewards import RewardScores, as_reward, build_reward, check_scores, reward_input
+from ..rewards.spec import RewardScores, as_reward, build_reward, check_scores, reward_input
+
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..parallel import Parallel
@@ -193,12 +194,12 @@ def check_sampling_against(model: ModelInstance, sampling: dict[str, Any], table
         raise FlowseamError(f"config [{table}]: {exc}") from exc
 
 
-class FlowGRPO:
+class FlowGRPO(SteppedMethod):
     """Flow-GRPO on one model. ``FlowGRPO(config).run()``; see the module docstring.
 
     :param model: an already loaded instance (else ``config["model"]`` is loaded).
     :param reward: a reward callable (else ``config["reward"]`` is built:
-        :func:`~flowseam.training.rewards.build_reward`).
+        :func:`~flowseam.rewards.spec.build_reward`).
     :raises FlowseamError: for an invalid config (:class:`FlowGRPOConfig`: unknown keys, wrong
         types, values out of range, no prompts), an ``output_dir`` another run holds or that
         was started with another config, a reward spec that cannot be built
@@ -210,7 +211,7 @@ class FlowGRPO:
     #: subclass that takes no ``[parallel]`` table, joint_multi_rl, keeps this)
     parallel: "Parallel | None" = None
     #: the config's tables (``flowseam train --method flowgrpo --show-config``)
-    CONFIG_TABLES = ("sampling", "grpo", "optim", "lora", "distributed", "parallel", "ray")
+    config_tables = ("sampling", "grpo", "optim", "lora", "distributed", "parallel", "ray")
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:
@@ -288,7 +289,7 @@ class FlowGRPO:
 
         :returns: ``(trajectories, results, prompts, rewards)``, one entry per batch, in group
             then member order; ``rewards`` are the fleet's reward workers' scores
-            (:class:`~flowseam.training.rewards.RewardScores`, else None).
+            (:class:`~flowseam.rewards.spec.RewardScores`, else None).
         """
         cfg = self.config
         params = sampling_params(self.sampling)
@@ -362,7 +363,7 @@ class FlowGRPO:
 
     def score(self, prompt: str, result) -> RewardScores:
         """The reward of every sample of ``result`` (all rendered from ``prompt``), checked
-        (:meth:`flowseam.training.rewards.Reward.score`)."""
+        (:meth:`flowseam.rewards.spec.Reward.score`)."""
         reward = as_reward(self.reward, self.config["reward_timeout"])
         return reward.score([prompt] * len(result.seeds), reward_input(reward, result))
 

@@ -34,10 +34,12 @@ from .config import (
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
+    RewardSpec,
+    RewardTimeout,
     RunConfig,
 )
 from .distributed import DataParallel
-from .rewards import DEFAULT_REWARD_TIMEOUT, RewardSpec, RewardTimeout
+from ..rewards.spec import DEFAULT_REWARD_TIMEOUT
 from .guards import clip_gradients
 
 

@@ -85,7 +85,7 @@ from .config import (
 from .distributed import DataParallel
 from .flowgrpo import FlowGRPO, SamplingSection, check_sampling, require_prompts, sampling_params
 from .grpo import GroupRLConfig, GRPOConfig, UpdateStats, group_advantages, ppo_update, train_timesteps
-from .rewards import RewardScores, as_reward, build_reward, check_scores
+from ..rewards.spec import RewardScores, as_reward, build_reward, check_scores
 
 
 class JointSampling(SamplingSection):
@@ -175,14 +175,14 @@ class JointMultiRL(FlowGRPO):
 
     :param model: an already loaded instance (else ``config["model"]`` is loaded).
     :param reward: a reward callable (else ``config["reward"]`` is built:
-        :func:`~flowseam.training.rewards.build_reward`).
+        :func:`~flowseam.rewards.spec.build_reward`).
     :raises FlowseamError: for an invalid config or reward spec, naming the key and what is
         allowed (before any weights load).
     """
 
     name = "joint_multi_rl"
     #: the config's tables (``flowseam train --method joint_multi_rl --show-config``)
-    CONFIG_TABLES = ("sampling", "grpo", "optim", "lora")
+    config_tables = ("sampling", "grpo", "optim", "lora")
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:

@@ -205,14 +205,14 @@ class SampleTap:
     ``(B, F, H, W, 3)`` of a due step, with their prompts and (total) rewards. Video or image
     outputs only (an audio reward's waveforms are not kept).
 
-    It listens on ``method.reward``: a :class:`~flowseam.training.rewards.Reward` (what the
-    built-in methods build) gets the tap as one of its :attr:`~flowseam.training.rewards.Reward.
+    It listens on ``method.reward``: a :class:`~flowseam.rewards.spec.Reward` (what the
+    built-in methods build) gets the tap as one of its :attr:`~flowseam.rewards.spec.Reward.
     observers`; any other callable (a third-party method's) is stood in for by the tap (every
     attribute is the reward's). :meth:`detach` undoes either.
     """
 
     def __init__(self, method: Any, loggers: RunLoggers) -> None:
-        from .rewards import Reward
+        from ..rewards.spec import Reward
 
         self.method, self.loggers = method, loggers
         self.reward = method.reward
@@ -232,10 +232,10 @@ class SampleTap:
     def attach(cls, method: Any) -> "SampleTap | None":
         """A tap on ``method.reward`` when ``method.files`` logs samples, else None (also when
         the method scores on remote reward workers: the trainer never sees those outputs)."""
-        loggers = getattr(method.files, "loggers", None)
-        if loggers is None or not loggers.samples_every or getattr(method, "reward", None) is None:
+        loggers = method.files.loggers
+        if loggers is None or not loggers.samples_every or method.reward is None:
             return None
-        if getattr(getattr(method, "fleet", None), "reward_workers", None):
+        if method.fleet is not None and method.fleet.reward_workers:
             return None
         return cls(method, loggers)
 
@@ -245,7 +245,7 @@ class SampleTap:
         return result
 
     def observe(self, prompts, outputs, scores) -> None:
-        """A :class:`~flowseam.training.rewards.Reward` observer: keep the total's samples."""
+        """A :class:`~flowseam.rewards.spec.Reward` observer: keep the total's samples."""
         self.keep(prompts, outputs, scores.total)
 
     def __getattr__(self, name: str) -> Any:

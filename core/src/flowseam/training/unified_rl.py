@@ -83,7 +83,9 @@ from ..models.instance import ModelInstance
 from ..seam.platform import Platform
 from ..prompt_refiner import PromptRefiner, RefinerSampling, check_template
 from ..request import GenerationRequest, TaskType
-from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
+from .common import (
+    RunFiles, Stage, SteppedMethod, Timer, derive_seed, reward_summary, run_training, sync_updated,
+)
 from .config import (
     ConfigSection,
     LoraSection,
@@ -93,6 +95,8 @@ from .config import (
     OptimOverrides,
     OptimSection,
     PositiveInt,
+    RewardSpec,
+    RewardTimeout,
     RunConfig,
     merge_overrides,
     schema_defaults,
@@ -101,14 +105,8 @@ from .config import (
 from .flowgrpo import SamplingSection, check_sampling, require_prompts, sampling_params
 from .grpo import GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
 from .lm_grpo import LMGRPOConfig, lm_grpo_update
-from .rewards import (
-    DEFAULT_REWARD_TIMEOUT,
-    RewardScores,
-    RewardSpec,
-    RewardTimeout,
-    as_reward,
-    build_reward,
-    check_scores,
+from ..rewards.spec import (
+    DEFAULT_REWARD_TIMEOUT, RewardScores, as_reward, build_reward, check_scores,
 )
 from .workflow_rl import workflow_rollout
 
@@ -196,7 +194,7 @@ class Generator:
         return [("dit", result, slice(0, len(prompts)))], result.frames
 
 
-class UnifiedRL:
+class UnifiedRL(SteppedMethod):
     """A prompt-refining LM and the generator trained from one reward.
     ``UnifiedRL(config).run()``; see the module docstring.
 
@@ -204,14 +202,14 @@ class UnifiedRL:
     :param model: an already loaded generator (else ``config["model"]``), or
     :param t2i, i2v: the two models of the t2i → i2v workflow (else ``t2i_model``/``i2v_model``).
     :param reward: a reward callable (else ``config["reward"]`` is built:
-        :func:`~flowseam.training.rewards.build_reward`, before any model loads).
+        :func:`~flowseam.rewards.spec.build_reward`, before any model loads).
     :raises FlowseamError: for an invalid config, naming the key and what is allowed (before any
         model loads).
     """
 
     name = "unified_rl"
     #: the config's tables (``flowseam train --method unified_rl --show-config``)
-    CONFIG_TABLES = ("sampling", "grpo", "optim", "lora", "lm_sampling", "lm_grpo", "lm_optim")
+    config_tables = ("sampling", "grpo", "optim", "lora", "lm_sampling", "lm_grpo", "lm_optim")
 
     @classmethod
     def default_config(cls) -> dict[str, Any]:

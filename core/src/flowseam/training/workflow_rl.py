@@ -57,7 +57,9 @@ from ..loops import ExecutionProfile, run_loop
 from ..models.instance import ModelInstance
 from ..seam.platform import Platform
 from ..request import GenerationRequest, TaskType
-from .common import RunFiles, Stage, Timer, derive_seed, reward_summary, run_training, sync_updated
+from .common import (
+    RunFiles, Stage, SteppedMethod, Timer, derive_seed, reward_summary, run_training, sync_updated,
+)
 from .config import (
     LoraSection,
     Name,
@@ -78,7 +80,7 @@ from .flowgrpo import (
     sampling_params,
 )
 from .grpo import GroupRLConfig, GRPOConfig, Trajectory, UpdateStats, group_advantages, ppo_update
-from .rewards import RewardScores, as_reward, build_reward, check_scores
+from ..rewards.spec import RewardScores, as_reward, build_reward, check_scores
 
 
 class WorkflowRLConfig(GroupRLConfig):
@@ -109,12 +111,12 @@ def _load(path: str | None, backend: str | None, what: str, dp: DataParallel,
                 dtype=dtype)
 
 
-class WorkflowRL:
+class WorkflowRL(SteppedMethod):
     """Flow-GRPO across the t2i → i2v workflow. ``WorkflowRL(config).run()``."""
 
     name = "workflow_rl"
     #: the config's tables (``flowseam train --method workflow_rl --show-config``)
-    CONFIG_TABLES = ("t2i_sampling", "i2v_sampling", "grpo", "optim", "t2i_optim", "i2v_optim",
+    config_tables = ("t2i_sampling", "i2v_sampling", "grpo", "optim", "t2i_optim", "i2v_optim",
                      "lora", "distributed")
 
     @classmethod

@@ -47,31 +47,19 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from pydantic import Field
 
 from ..errors import (
     FlowseamError, InvalidInputError, PluginFaultError, RewardFaultError, RewardServerError,
 )
 from ..seam.faults import describe, is_out_of_memory
-from .config import Name
+from ..seam.rewards import make_reward, resolve_reward, reward_owner
 
 #: Seconds one reward call may take by default (``reward_timeout`` in a config).
 DEFAULT_REWARD_TIMEOUT = 600.0
-
-#: The ``reward`` key of a config: a name, a reward server URL, or a table of weights (checked
-#: by :func:`build_reward`, which names the bad value).
-RewardSpec = Name | dict[Name, Any]
-#: The ``reward_timeout`` key: finite seconds > 0.
-RewardTimeout = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-
-
-# -- the built-in toy rewards (their own light module: discovery imports it) -------------------
-
-from .toy_rewards import BUILTIN_REWARDS, ChannelContrast, audio_rms, brightness, constant  # noqa: E402,F401
 
 
 # -- built rewards ----------------------------------------------------------------------------
@@ -357,17 +345,6 @@ def check_scores(reward: Any, scores: RewardScores, where: str) -> None:
 
 # -- building ---------------------------------------------------------------------------------
 
-def _owner(obj: Any) -> tuple[Any, str] | None:
-    """(plugin record, registered name) of the plugin that registered ``obj`` (or its class)."""
-    from . import _claims
-
-    for name, claims in _claims("rewards").items():
-        for rec, registered in claims:
-            if obj is registered or (isinstance(registered, type) and type(obj) is registered):
-                return rec, name
-    return None
-
-
 def as_reward(reward: Any, timeout: float | None = None) -> Reward:
     """``reward`` as a :class:`Reward`: itself if it is one, else one component around the
     callable (named by its ``__name__`` or class, and by the plugin that registered it when one
@@ -380,7 +357,7 @@ def as_reward(reward: Any, timeout: float | None = None) -> Reward:
     if not callable(reward):
         raise InvalidInputError(f"reward {_shown(reward)} is not callable; a reward is "
                                 "reward(prompts, outputs) -> (B,) scores")
-    owner = _owner(reward)
+    owner = reward_owner(reward)
     if owner is not None:
         rec, key = owner
         comp = RewardComponent(key, reward, plugin=rec.name, distribution=rec.distribution,
@@ -392,42 +369,13 @@ def as_reward(reward: Any, timeout: float | None = None) -> Reward:
     return Reward([comp], DEFAULT_REWARD_TIMEOUT if timeout is None else timeout)
 
 
-def make_reward(key: str, registered: Any, args: Mapping[str, Any]) -> Any:
-    """The reward ``registered`` under ``key``: a factory (class) called with ``args``, a
-    callable as it is.
-
-    :raises InvalidInputError: for arguments the factory does not take, arguments for a reward
-        that is not a factory, or what the factory's ``__init__`` refuses.
-    :raises RewardFaultError: when the factory raises anything else (naming the plugin).
-    """
-    args = dict(args)
-    if not isinstance(registered, type):
-        if args:
-            raise InvalidInputError(
-                f"reward {key!r} is a function and takes no reward_args; got {sorted(args)}")
-        return registered
-    try:
-        inspect.signature(registered).bind(**args)
-    except TypeError as exc:
-        try:
-            takes = [p for p in inspect.signature(registered).parameters]
-        except (TypeError, ValueError):  # pragma: no cover - a C extension type
-            takes = []
-        raise InvalidInputError(f"reward_args {args} do not fit reward {key!r} "
-                                f"({registered.__module__}.{registered.__qualname__}): {exc}; it "
-                                f"takes {takes}") from None
-    except ValueError:  # no signature to read: let the call decide
-        pass
-    return registered(**args)
-
-
 def _server_component(url: str, args: Mapping[str, Any]) -> RewardComponent:
     scheme = url.split("://", 1)[0]
     if scheme.lower() not in ("http", "https"):
         raise InvalidInputError(f"reward {url!r}: a reward server URL must start with http:// or "
                                 f"https:// (got {scheme}://), e.g. http://127.0.0.1:8000/ocr")
     from .. import __version__
-    from ..rewards.remote import RemoteReward
+    from .remote import RemoteReward
 
     try:
         inspect.signature(RemoteReward).bind(url, **dict(args))
@@ -451,9 +399,7 @@ def _component(key: Any, args: Any, weight: float = 1.0) -> RewardComponent:
     if "://" in key:
         comp = _server_component(key, args)
     else:
-        from . import _resolve_claim
-
-        rec, registered = _resolve_claim("rewards", "reward", key)
+        rec, registered = resolve_reward(key)
         try:
             fn = make_reward(key, registered, args)
         except FlowseamError:
