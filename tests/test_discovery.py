@@ -218,3 +218,33 @@ def test_a_method_registered_by_import_path_is_imported_when_asked_for(monkeypat
                                               r"'flowseam_no_such_package.methods:Gone', which "
                                               r"cannot be imported: ModuleNotFoundError"):
         get_method("gone")
+
+
+def test_a_kernel_for_an_unknown_op_is_the_plugins_fault(capsys):
+    """A plugin that registers a kernel for an op flowseam does not have broke its hook's
+    contract: the plugin is broken with a plugin fault naming it (not "bad input"), and in
+    strict mode the command exits 3 naming it."""
+    from flowseam.cli.boundary import EXIT_PLUGIN_FAULT, report
+    from flowseam.seam import BackendInfo, KernelRegistration, PluginFaultError, hookimpl
+    from flowseam.seam.discovery import PluginRegistry, raise_if_broken
+
+    class Typo:
+        @staticmethod
+        @hookimpl
+        def flowseam_backend():
+            return BackendInfo(device="typodev")
+
+        @staticmethod
+        @hookimpl
+        def flowseam_register_kernels():
+            return [KernelRegistration("flow_match_stpe", lambda x, v, s, n: x)]
+
+    reg = PluginRegistry()
+    rec = reg.load("typo", "tests:Typo", "flowseam-typo", "1.0", lambda: Typo)
+    assert rec.status == "broken"
+    assert rec.reason.startswith("PluginFaultError: plugin 'typo' (flowseam-typo 1.0): kernel for "
+                                 "unknown op 'flow_match_stpe'; known ops are ['flow_match_step'")
+    with pytest.raises(PluginFaultError) as info:
+        raise_if_broken(reg)
+    assert info.value.plugin == "typo" and report(info.value) == EXIT_PLUGIN_FAULT
+    assert "flowseam: plugin fault: broken flowseam plugin(s) 'typo'" in capsys.readouterr().err

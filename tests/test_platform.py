@@ -140,8 +140,17 @@ def test_platform_round_trips_through_a_spawned_process(fixture_plugins_dir):
 
 
 def test_rebuilt_platform_refuses_a_different_plugin_version():
+    """Another version of a plugin is that plugin's to fix (a plugin fault naming it, exit 3);
+    the same versions resolving other kernels would be flowseam's bug, never "bad input"."""
+    from flowseam.cli.boundary import EXIT_BUG, EXIT_PLUGIN_FAULT, report
+
     with plugin_env():
         data = flowseam.Platform("cpu").to_dict()
-    data["plugins"][0]["version"] = "9.9.9"
-    with pytest.raises(flowseam.PluginLoadError, match="flowseam-cpu==9.9.9"):
-        flowseam.Platform.from_dict(data)
+    wrong = {**data, "plugins": [{**data["plugins"][0], "version": "9.9.9"}, *data["plugins"][1:]]}
+    with pytest.raises(flowseam.PluginLoadError, match="flowseam-cpu==9.9.9") as info:
+        flowseam.Platform.from_dict(wrong)
+    assert info.value.plugin == "cpu" and report(info.value) == EXIT_PLUGIN_FAULT
+    tampered = {**data, "kernels": {**data["kernels"], ops.FLOW_MATCH_STEP: "x:y:cpu:generic:z==1"}}
+    with pytest.raises(RuntimeError, match="a bug") as info:
+        flowseam.Platform.from_dict(tampered)
+    assert not isinstance(info.value, flowseam.FlowseamError) and report(info.value) == EXIT_BUG

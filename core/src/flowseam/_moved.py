@@ -26,6 +26,8 @@ MOVED = {
     "flowseam.policies": "flowseam.request_fields",
     "flowseam.refiner": "flowseam.prompt_refiner",
     "flowseam.models.base": "flowseam.models",
+    "flowseam.training.rewards": "flowseam.rewards.spec",
+    "flowseam.training.toy_rewards": "flowseam.rewards.simple",
 }
 #: the release that drops the old paths
 REMOVED_IN = "0.3"

@@ -7,12 +7,6 @@ class FlowseamError(Exception):
     """Base class of every error flowseam raises on purpose."""
 
 
-class PluginLoadError(FlowseamError):
-    """A plugin failed to import, failed hook validation or raised in its availability check,
-    and strict mode (``FLOWSEAM_STRICT=1``) turns that into an error. The message names the
-    plugin and carries its traceback."""
-
-
 class BackendUnavailableError(FlowseamError):
     """``Platform(name)`` named a backend that is unknown, blocked, broken or unavailable.
     The message lists every backend and why each unavailable one is unavailable."""
@@ -74,6 +68,14 @@ class PluginFaultError(FlowseamError):
     def __reduce__(self):  # keep the attributes across pickling (worker processes)
         return (type(self), (self.args[0], self.plugin, self.distribution, self.version,
                              self.what, self.impl_id))
+
+
+class PluginLoadError(PluginFaultError):
+    """A plugin failed to import, broke a hook's contract (a kernel for an unknown op, a
+    declaration of the wrong type), raised in its availability check, or registered an import
+    path that does not import, and it is asked for: in strict mode (``FLOWSEAM_STRICT=1``) any
+    broken plugin, else the one a command needs. The message names the plugin and carries its
+    traceback."""
 
 
 class KernelFaultError(PluginFaultError):

@@ -21,12 +21,16 @@ what the user sees, and the exit status.
 - exit 1, the traceback, then ``flowseam: internal error: ...`` saying that it is a bug and how to
   report it: anything else, such as a ``ValueError``, ``TypeError`` or ``RuntimeError`` raised
   inside torch or by a mistake in flowseam or a plugin.
-- exit 1, ``flowseam: rank R of N: another rank of this job went away (...)``: a rank of a
-  ``--nproc`` job whose collective failed because another rank died (the launcher then names
-  that rank and its exit status).
+- exit 69 (:data:`~flowseam.parallel.EXIT_PEER_LOST`), ``flowseam: rank R of N: another rank of
+  this job went away (...)``: a rank of a ``--nproc`` job whose collective failed because another
+  rank died; the launcher then names the rank that died, never this one.
 - exit 0, nothing: ``BrokenPipeError`` (the reader went away: ``flowseam backends | head``).
 - exit 143: SIGTERM (``finally`` blocks run, no temporary file is left); a rank of a
   ``--nproc`` job says which rank it was, as torchrun stops every rank when one fails.
+
+A rank of a job that stops with one of the two statuses above leaves at once (``os._exit``, after
+its ``finally`` blocks and its message): tearing down a process group whose peer is gone would
+abort the process (``terminate called``, SIGABRT) and hide why it stopped.
 
 A ``ValueError`` is not bad input by itself: torch, numpy and Python raise it for their callers'
 mistakes, which are flowseam's (core raises :class:`~flowseam.errors.InvalidInputError`, a
@@ -47,6 +51,7 @@ from ..errors import (
     BackendUnavailableError, FlowseamError, NotEnoughMemoryError, PluginFaultError,
     RewardServerError,
 )
+from ..parallel import EXIT_PEER_LOST
 from ..seam.faults import is_out_of_memory
 
 #: Exit statuses: 2 for bad input (an option, a file, a config, a checkpoint), 3 for a plugin that
@@ -116,6 +121,10 @@ def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
         # a SIGTERM whose SystemExit a finalizer swallowed: the work finished (outputs whole,
         # no temporary file), but the process was told to stop, and says so
         return EXIT_TERMINATED if _sigterm_received.is_set() else status
+    except SystemExit:
+        if _sigterm_received.is_set() and _rank() is not None:
+            _leave(EXIT_TERMINATED)
+        raise
     except BrokenPipeError:
         # the reader went away (flowseam backends --json | head): stop quietly, as cat does.
         # Point stdout at devnull so that the interpreter's final flush cannot raise again.
@@ -124,17 +133,33 @@ def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:
-        return report(exc)
+        status = report(exc)
+        if status == EXIT_PEER_LOST:
+            _leave(status)
+        return status
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _leave(status: int) -> None:
+    """End this rank now with ``status``: its output flushed, no interpreter teardown (which
+    would tear down a process group whose peer is gone, and abort)."""
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(status)
 
 
 def report(exc: Exception) -> int:
     """Tell the user what ``exc``, raised by a command, means (on stderr); its exit status."""
     if is_lost_peer(exc):  # a rank died: not a bug here; the launcher names the one that failed
         _say(f"{_rank()}: another rank of this job went away ({_first_line(_lost(exc))})")
-        return EXIT_BUG
+        return EXIT_PEER_LOST
     if isinstance(exc, PluginFaultError):  # before FlowseamError: a fault is one
         _say(f"plugin fault: {exc}")
         return EXIT_PLUGIN_FAULT

@@ -1,4 +1,5 @@
-"""Plain records that plugins return from their hooks, and the provenance of a kernel."""
+"""Plain records that plugins return from their hooks, and the provenance of a kernel. A record
+that breaks its contract raises ``ValueError``; discovery names the plugin that returned it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from ..errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,10 @@ class BackendInfo:
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device.isidentifier():
-            raise InvalidInputError(
+            raise ValueError(
                 f"BackendInfo.device={self.device!r} must be an identifier like 'cuda'")
         if not isinstance(self.priority, int):
-            raise InvalidInputError(f"BackendInfo.priority={self.priority!r} must be an int")
+            raise ValueError(f"BackendInfo.priority={self.priority!r} must be an int")
 
 
 class Availability(NamedTuple):
@@ -54,10 +54,10 @@ class KernelRegistration:
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
-            raise InvalidInputError(
+            raise ValueError(
                 f"KernelRegistration(op={self.op!r}).fn={self.fn!r} is not callable")
         if not isinstance(self.arch, str) or not self.arch:
-            raise InvalidInputError(
+            raise ValueError(
                 f"KernelRegistration(op={self.op!r}).arch={self.arch!r} must be a non-empty str")
 
 
@@ -95,17 +95,17 @@ class ConformanceExpectations:
                 continue
             if isinstance(value, (str, bytes)) or any(not isinstance(k, str) or not k
                                                       for k in value):
-                raise InvalidInputError(
+                raise ValueError(
                     f"ConformanceExpectations.{name}={value!r} must be a list of kind "
                     "names, e.g. ['dit', 'vae']")
             object.__setattr__(self, name, tuple(value))
         both = set(self.overrides or ()) & set(self.falls_back or ())
         if both:
-            raise InvalidInputError(
+            raise ValueError(
                 f"ConformanceExpectations: kinds {sorted(both)} are listed both in "
                 "overrides and in falls_back; a kind is one or the other")
         if self.torch_device is not None and not isinstance(self.torch_device, str):
-            raise InvalidInputError(
+            raise ValueError(
                 f"ConformanceExpectations.torch_device={self.torch_device!r} must be "
                 "a torch device string such as 'cuda:0'")
 

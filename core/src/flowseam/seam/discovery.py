@@ -32,7 +32,7 @@ import pluggy
 from . import hookspecs
 from .. import ops
 from .declarations import Availability, BackendInfo, KernelRegistration
-from ..errors import InvalidInputError, PluginLoadError
+from ..errors import InvalidInputError, PluginFaultError, PluginLoadError
 from .isolation import patch_watch, plugin_timeout, run_plugin_code
 
 ENTRY_POINT_GROUP = "flowseam.plugins"
@@ -210,7 +210,19 @@ class PluginRegistry:
         return rec
 
     def _interrogate(self, rec: PluginRecord, check_availability: bool) -> None:
-        """Read a registered plugin's declarations, availability and arch chain into ``rec``."""
+        """Read a registered plugin's declarations, availability and arch chain into ``rec``.
+
+        :raises PluginFaultError: naming the plugin, for a declaration that breaks a hook's
+            contract (the wrong type, a kernel for an unknown op, a path that is not one), or a
+            hook that raises ``TypeError`` or ``ValueError``.
+        """
+        try:
+            self._declare(rec, check_availability)
+        except (TypeError, ValueError) as exc:
+            raise PluginFaultError(f"plugin {rec.name!r} ({rec.distribution} {rec.version}): "
+                                   f"{exc}", **_who(rec)) from exc
+
+    def _declare(self, rec: PluginRecord, check_availability: bool) -> None:
         _read_declarations(self, rec)
         if rec.backend is not None and check_availability:
             avail = self.call(rec, "flowseam_backend_available")
@@ -247,24 +259,24 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
             raise TypeError(f"flowseam_register_kernels() yielded {k!r}; "
                             "expected flowseam.KernelRegistration")
         if k.op not in ops.ALL_OPS:
-            raise InvalidInputError(
+            raise ValueError(
                 f"kernel for unknown op {k.op!r}; known ops are {list(ops.ALL_OPS)}")
         if (k.op, k.arch) in seen:
-            raise InvalidInputError(f"plugin registers op {k.op!r} at arch {k.arch!r} twice")
+            raise ValueError(f"plugin registers op {k.op!r} at arch {k.arch!r} twice")
         seen.add((k.op, k.arch))
     if kernels and backend is None:
-        raise InvalidInputError(
+        raise ValueError(
             "plugin registers kernels but declares no backend (flowseam_backend)")
     rec.kernels = kernels
 
     kinds = tuple(_names(reg.call(rec, "flowseam_component_kinds"), "flowseam_component_kinds"))
     if kinds and backend is None:
-        raise InvalidInputError("plugin declares component kinds but no backend (flowseam_backend)")
+        raise ValueError("plugin declares component kinds but no backend (flowseam_backend)")
     rec.component_kinds = kinds
     classes = _names(reg.call(rec, "flowseam_component_classes"), "flowseam_component_classes")
     bad = [c for c in classes if len(c.split(".")) < 2 or not all(p.isidentifier() for p in c.split("."))]
     if bad:
-        raise InvalidInputError(
+        raise ValueError(
             f"flowseam_component_classes() returned {bad!r}; expected dotted class "
             "paths such as 'flowseam_myvendor.models.MyDiT'")
     rec.component_classes = tuple(classes)
@@ -272,7 +284,7 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
     rec.methods = _named_mapping(reg.call(rec, "flowseam_training_methods"), "flowseam_training_methods")
     bad = [v for v in rec.methods.values() if isinstance(v, str) and not _is_import_path(v)]
     if bad:
-        raise InvalidInputError(
+        raise ValueError(
             f"flowseam_training_methods() returned {bad!r}; a method given by name is an import "
             "path 'package.module:Class'")
     rec.rewards = _named_mapping(reg.call(rec, "flowseam_rewards"), "flowseam_rewards")
@@ -323,7 +335,7 @@ def _arch_chain(result: Any) -> tuple[str, ...]:
     if "generic" not in chain:
         chain.append("generic")
     elif chain[-1] != "generic":
-        raise InvalidInputError(
+        raise ValueError(
             f"flowseam_arch_chain() returned {chain!r}; 'generic' must come last")
     return tuple(chain)
 
@@ -393,7 +405,7 @@ def registered_object(rec: PluginRecord, obj: Any) -> Any:
     except Exception as exc:
         raise PluginLoadError(f"plugin {rec.name!r} ({rec.distribution} {rec.version}) registers "
                               f"{obj!r}, which cannot be imported: {type(exc).__name__}: "
-                              f"{exc}") from exc
+                              f"{exc}", **_who(rec)) from exc
 
 
 def registered(attr: str) -> dict[str, tuple[PluginRecord, Any]]:
@@ -499,13 +511,21 @@ def scan() -> PluginRegistry:
     return reg
 
 
+def _who(*records: PluginRecord) -> dict[str, str]:
+    """The plugin fields of a :class:`~flowseam.errors.PluginFaultError` naming ``records``."""
+    return {"plugin": ", ".join(r.name for r in records),
+            "distribution": ", ".join(r.distribution for r in records),
+            "version": ", ".join(str(r.version) for r in records), "what": "plugin"}
+
+
 def raise_if_broken(reg: PluginRegistry) -> None:
     broken = reg.broken()
     if broken:
         details = "\n\n".join(f"plugin {r.name!r} ({r.distribution} {r.version}) is broken: "
                               f"{r.reason}\n{r.traceback}" for r in broken)
         names = ", ".join(repr(r.name) for r in broken)
-        raise PluginLoadError(f"broken flowseam plugin(s) {names} (strict mode):\n{details}")
+        raise PluginLoadError(f"broken flowseam plugin(s) {names} (strict mode):\n{details}",
+                              **_who(*broken))
 
 
 _CACHE: PluginRegistry | None = None
@@ -539,11 +559,12 @@ def load_without_discovery(plugins: list[dict[str, str]]) -> PluginRegistry:
         if installed != p["version"]:
             raise PluginLoadError(
                 f"plugin {p['name']!r} needs {p['distribution']}=={p['version']}, but this process "
-                f"has {installed or 'no such distribution'}; kernel ids would not mean the same code")
+                f"has {installed or 'no such distribution'}; kernel ids would not mean the same code",
+                plugin=p["name"], distribution=p["distribution"], version=p["version"])
         rec = reg.load(p["name"], p["value"], p["distribution"], p["version"],
                        _entry_point_value_loader(p["name"], p["value"]), check_availability=False)
         rec.arch_chain = tuple(p.get("arch_chain") or ("generic",))
         if rec.status == "broken":
             raise PluginLoadError(f"plugin {rec.name!r} ({rec.value}) could not be loaded in this "
-                                  f"process: {rec.reason}\n{rec.traceback}")
+                                  f"process: {rec.reason}\n{rec.traceback}", **_who(rec))
     return reg

@@ -112,10 +112,6 @@ class Platform:
                 return by_device[0]
             raise BackendUnavailableError(
                 f"unknown flowseam backend {name!r}; backends:\n{_describe_backends(reg)}")
-        if not rec.usable:
-            raise BackendUnavailableError(
-                f"flowseam backend {name!r} is {rec.status}: {rec.reason}\nbackends:\n"
-                f"{_describe_backends(reg)}")
         return rec
 
     def _detect_arch_chain(self, device: str) -> tuple[str, ...]:
@@ -305,15 +301,18 @@ class Platform:
     def from_dict(cls, data: dict[str, Any]) -> "Platform":
         """Rebuild a platform from :meth:`to_dict` output without discovering plugins.
 
-        :raises PluginLoadError: if a plugin of the platform cannot be imported here.
-        :raises FlowseamError: if the rebuilt kernel table differs from the serialized one.
+        :raises PluginLoadError: if a plugin of the platform cannot be imported here, or is
+            installed here in another version.
+        :raises RuntimeError: if the same plugins at the same versions resolve other kernels
+            here: a bug in flowseam, not the user's input.
         """
         reg = load_without_discovery(data["plugins"])
         arch = {d: tuple(a) for d, a in data["arch_chains"].items()}
         platform = cls(data["backend"], registry=reg, _arch_chains=arch)
         got = {op: k.impl_id for op, k in platform.kernels.resolved().items()}
-        if got != data["kernels"]:
-            raise FlowseamError(f"rebuilt platform resolves {got}, expected {data['kernels']}")
+        if got != data["kernels"]:  # same plugins, same versions: resolution must agree
+            raise RuntimeError(f"rebuilt platform resolves {got}, expected {data['kernels']} "
+                               "(the same plugins and versions resolved other kernels: a bug)")
         return platform
 
     def __reduce__(self):
