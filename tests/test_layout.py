@@ -58,6 +58,7 @@ LAYER = {
     "flowseam.causal_attention": RUNTIME,  # block-causal masks and the KV cache's attention
     "flowseam.checkpoint_defaults": RUNTIME,  # a checkpoint's flowseam.json serving defaults
     "flowseam.media": RUNTIME,             # writing outputs, reading a conditioning image
+    "flowseam.launch": RUNTIME,            # a command started as ranks; which rank failed
     "flowseam.memory": RUNTIME,            # offload, VAE tiling / slicing options and helpers
     "flowseam.noise": RUNTIME,             # initial noise, one generator per sample
     "flowseam.parallel": RUNTIME,          # ranks, process groups, split hooks

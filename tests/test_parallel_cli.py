@@ -22,7 +22,7 @@ import pytest
 from conftest import run_cli, run_main
 
 import flowseam
-from flowseam.parallel import EXIT_PEER_LOST, first_failure
+from flowseam.launch import EXIT_PEER_LOST, first_failure
 from flowseam.testing.tiny import write_tiny_checkpoint
 
 SMALL = ["--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "7",
@@ -81,7 +81,7 @@ def many_slots(monkeypatch):
         raise AssertionError("the ranks were started before the layout was refused")
 
     monkeypatch.setattr(flowseam.parallel, "device_slots", lambda platform=None: (8, "CPU cores"))
-    monkeypatch.setattr(flowseam.parallel, "launch", refuse)
+    monkeypatch.setattr(flowseam.launch, "launch", refuse)
     monkeypatch.setattr(flowseam.Platform, "build_component", refuse)
 
 
@@ -113,7 +113,7 @@ def test_more_ranks_than_devices_are_refused(ckpts, tmp_path, monkeypatch):
     import flowseam.parallel
 
     have, what = flowseam.parallel.device_slots(flowseam.Platform.detect())
-    monkeypatch.setattr(flowseam.parallel, "launch", lambda *a: pytest.fail("ranks started"))
+    monkeypatch.setattr(flowseam.launch, "launch", lambda *a: pytest.fail("ranks started"))
     r = run_main("generate", "--model", str(ckpts["wan2.1-t2v"]), "--prompt", "x",
                  "--output", str(tmp_path / "out.mp4"), "--nproc", str(have + 1))
     assert r.returncode == 2
@@ -301,7 +301,7 @@ def test_an_inherited_world_size_does_not_make_this_process_a_rank(ckpts, tmp_pa
     import flowseam.parallel
 
     started = []
-    monkeypatch.setattr(flowseam.parallel, "launch",
+    monkeypatch.setattr(flowseam.launch, "launch",
                         lambda argv, nproc: started.append((argv, nproc)) or 0)
     monkeypatch.setattr(flowseam.parallel, "device_slots", lambda platform=None: (8, "CPU cores"))
     r = run_main("generate", "--model", str(ckpts["wan2.1-t2v"]), "--prompt", "x", "--steps", "2",

@@ -1,4 +1,4 @@
-"""The reward server (``flowseam reward-serve``, :mod:`flowseam.rewards.server`) and its client
+"""The reward server (``flowseam reward-serve``, :mod:`flowseam.rewards.reward_server`) and its client
 (:class:`flowseam.rewards.remote.RemoteReward`), over real uvicorn on a free loopback port: the
 scores equal the in-process scores exactly (brightness, channel_contrast, audio_rms, ocr), batches
 split, the API key, JSON-only bodies (a pickle is refused), retries with backoff (a server that
@@ -28,7 +28,7 @@ import flowseam
 from flowseam.errors import InvalidInputError, RewardFaultError, RewardServerError
 from flowseam.rewards import remote as remote_module
 from flowseam.rewards.remote import RemoteReward
-from flowseam.rewards.server import build_app, exposure_warning
+from flowseam.rewards.reward_server import build_app, exposure_warning
 from flowseam.rewards.wire import encode_request
 from flowseam.serve.server import bind
 from flowseam.training import get_reward
@@ -249,7 +249,7 @@ def test_bodies_are_json_and_anything_else_is_refused():
     with Served(reward, "brightness", max_body_bytes=100_000) as served:
         r = httpx.post(served.url, json=blank)
         assert r.status_code == 413 and r.json()["error"]["field"] == "outputs.frames[0][0]"
-    for module in ("wire", "server", "remote"):
+    for module in ("wire", "reward_server", "remote"):
         source = (Path(flowseam.__file__).parent / "rewards" / f"{module}.py").read_text()
         assert "import pickle" not in source and "pickle.load" not in source
 
@@ -397,7 +397,7 @@ def test_reward_serve_names_a_factory_that_raises_as_a_plugin_fault(monkeypatch)
     """A registered reward whose factory raises (not InvalidInputError) is the plugin's fault,
     named as `flowseam train` names it, not an internal error of flowseam."""
     import flowseam.seam.rewards
-    from flowseam.rewards.server import RewardServeOptions, run
+    from flowseam.rewards.reward_server import RewardServeOptions, run
 
     def broken(name, **kwargs):
         raise RuntimeError("weights file truncated")

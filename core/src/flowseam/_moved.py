@@ -28,6 +28,8 @@ MOVED = {
     "flowseam.models.base": "flowseam.models",
     "flowseam.training.rewards": "flowseam.rewards.spec",
     "flowseam.training.toy_rewards": "flowseam.rewards.simple",
+    "flowseam.rewards.server": "flowseam.rewards.reward_server",
+    "flowseam.serve.metrics": "flowseam.serve.prometheus",
 }
 #: the release that drops the old paths
 REMOVED_IN = "0.3"

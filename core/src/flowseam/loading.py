@@ -199,25 +199,38 @@ def _load(path_or_hub_id: str | os.PathLike, platform: Platform | None,
                           UserWarning, stacklevel=2)
         components, records, specs = _build_components(root, plan, unused, dtypes, platform,
                                                        memory)
-        instance = card.instance(card, platform, components, root, solver,
-                                 scheduler_config=raw, pipeline_config=index, records=records,
-                                 specs=specs, memory=memory)
-        instance.unused_components = unused
-        instance.serve_defaults = serve_defaults
-        instance.read_index(index, str(index_file))
-        instance.route_attention()
-        instance.install_step_constants()
-        instance.placement.apply(instance.dit)
-        if parallel is not None and parallel.enabled:
-            instance.parallel = ModelSplit.install(
-                parallel, card.split, instance.experts, platform, card.name,
-                {name: instance.components[name].config for name in (instance.DIT, "vae")})
+        instance = _assemble(card, platform, components, root, solver, raw, index, records, specs,
+                             memory, unused, serve_defaults, parallel)
     if not quiet:
         boundary = instance.experts.boundary_timestep
         experts = f" (experts {', '.join(instance.experts)}, boundary timestep " \
                   f"{boundary:g})" if boundary is not None else ""
         print(f"flowseam: loaded {card.name}{experts} from {root}: {instance.solver_line()}",
               file=sys.stderr)
+    return instance
+
+
+def _assemble(card: ModelCard, platform: Platform, components: dict[str, Any], root: Path,
+              solver: Any, scheduler_config: dict[str, Any] | None, index: dict[str, Any],
+              records: dict[str, Any], specs: dict[str, Any], memory: MemoryOptions,
+              unused: dict[str, str], serve_defaults: dict[str, Any],
+              parallel: "Parallel | None") -> ModelInstance:
+    """The card's instance over the built components, set up to run: its ``model_index.json``
+    settings read, attention routed through the platform, text-only values reused across steps,
+    the memory options applied and, with ``parallel``, the split over the ranks installed."""
+    instance = card.instance(card, platform, components, root, solver,
+                             scheduler_config=scheduler_config, pipeline_config=index,
+                             records=records, specs=specs, memory=memory)
+    instance.unused_components = unused
+    instance.serve_defaults = serve_defaults
+    instance.read_index(index, str(root / "model_index.json"))
+    instance.route_attention()
+    instance.install_step_constants()
+    instance.placement.apply(instance.dit)
+    if parallel is not None and parallel.enabled:
+        instance.parallel = ModelSplit.install(
+            parallel, card.split, instance.experts, platform, card.name,
+            {name: instance.components[name].config for name in (instance.DIT, "vae")})
     return instance
 
 

@@ -21,7 +21,7 @@ what the user sees, and the exit status.
 - exit 1, the traceback, then ``flowseam: internal error: ...`` saying that it is a bug and how to
   report it: anything else, such as a ``ValueError``, ``TypeError`` or ``RuntimeError`` raised
   inside torch or by a mistake in flowseam or a plugin.
-- exit 69 (:data:`~flowseam.parallel.EXIT_PEER_LOST`), ``flowseam: rank R of N: another rank of
+- exit 69 (:data:`~flowseam.launch.EXIT_PEER_LOST`), ``flowseam: rank R of N: another rank of
   this job went away (...)``: a rank of a ``--nproc`` job whose collective failed because another
   rank died; the launcher then names the rank that died, never this one.
 - exit 0, nothing: ``BrokenPipeError`` (the reader went away: ``flowseam backends | head``).
@@ -51,7 +51,7 @@ from ..errors import (
     BackendUnavailableError, FlowseamError, NotEnoughMemoryError, PluginFaultError,
     RewardServerError,
 )
-from ..parallel import EXIT_PEER_LOST
+from ..launch import EXIT_PEER_LOST
 from ..seam.faults import is_out_of_memory
 
 #: Exit statuses: 2 for bad input (an option, a file, a config, a checkpoint), 3 for a plugin that

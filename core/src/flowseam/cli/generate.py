@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from ..quiet import quiet_libraries
 from ..errors import InvalidInputError
+from ..quiet import quiet_libraries
+from ..request import DiffusionParams
+from ..seam.platform import Platform
 from .parsing import add_memory_options, add_parallel_options, memory_options
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +36,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--image", help="conditioning image for image-to-video")
     g.add_argument("--workflow", help="a cross-model workflow, e.g. t2i-i2v")
+    _add_sampling_options(g)
+    add_parallel_options(g, "rank 0 writes the output")
+    add_memory_options(g)
+    g.add_argument("--backend", action="append",
+                   help="backend name (default: the highest-priority available); with --workflow, "
+                        "give it twice to choose each stage's backend")
+    g.add_argument("--output", required=True,
+                   help=".png for images, .mp4 or .gif for videos (an LTX-2 .mp4 has an AAC "
+                        "sound track; a .gif drops it), .wav for the sound alone")
+    _add_causal_options(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def _add_sampling_options(g: argparse.ArgumentParser) -> None:
+    """The request's sampling options: steps, guidance, scheduler, LoRA, cache, size, LTX-2's."""
     g.add_argument("--steps", type=int, help="denoising steps")
     g.add_argument("--guidance", type=float, help="guidance scale")
     g.add_argument("--guidance-2", type=float,
@@ -67,14 +86,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-sequence-length", type=int, metavar="N",
                    help="text tokens the text encoder keeps (sample with what the model was "
                         "trained with); with --workflow, the text-to-image stage's")
-    add_parallel_options(g, "rank 0 writes the output")
-    add_memory_options(g)
-    g.add_argument("--backend", action="append",
-                   help="backend name (default: the highest-priority available); with --workflow, "
-                        "give it twice to choose each stage's backend")
-    g.add_argument("--output", required=True,
-                   help=".png for images, .mp4 or .gif for videos (an LTX-2 .mp4 has an AAC "
-                        "sound track; a .gif drops it), .wav for the sound alone")
+
+
+def _add_causal_options(g: argparse.ArgumentParser) -> None:
+    """The options of causal checkpoints: streaming and the chunked attention window."""
     g.add_argument("--stream", action="store_true",
                    help="causal checkpoints: write the .mp4 chunk by chunk as it is generated "
                         "(playable while written) and print the time to the first chunk")
@@ -84,7 +99,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="causal checkpoints: rolling window in latent frames (default none)")
     g.add_argument("--sink-size", type=int,
                    help="causal checkpoints: first latent frames kept in the window")
-    g.set_defaults(func=cmd_generate)
 
 
 #: request fields → the generate flags that set them (errors speak the command line's words)
@@ -145,19 +159,85 @@ def _check_image_flag(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--image: {args.model[0]} is {card.name}, which takes no image")
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import time
-    from pathlib import Path
+@dataclass
+class _Plan:
+    """What ``flowseam generate`` runs, every part checked before any model loads."""
 
+    params: DiffusionParams
+    #: one per model: ``(params,)``, or a workflow's stages' params
+    stages: tuple[DiffusionParams, ...]
+    #: one per model (a workflow's second stage may name its own backend)
+    platforms: list[Platform]
+    parallel: "Parallel | None"
+    suffix: str
+    image: Any
+    ignore: tuple[str, ...]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 without ``--nproc``): rank 0 writes and reports."""
+        return int(os.environ.get("RANK", "0")) if self.parallel is not None else 0
+
+    def load(self, args: argparse.Namespace, index: int) -> Any:
+        """The ``index``-th ``--model``, loaded on its platform (split over the ranks)."""
+        from ..loading import load
+
+        return load(args.model[index], platform=self.platforms[min(index, len(self.platforms) - 1)],
+                    ignore_scheduler_options=self.ignore, parallel=self.parallel,
+                    quiet=self.rank != 0, **memory_options(args))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Check everything that needs no weights, start the ranks of ``--nproc``, then run one of
+    the three modes: a workflow of two models, a streamed video, or one model's output."""
+    from ..launch import launch
+    from ..parallel import is_rank_of
+
+    plan = _plan(args)
+    if plan.parallel is not None and not is_rank_of(plan.parallel.world_size):
+        return launch(args.argv, plan.parallel.world_size)
+    if args.workflow is not None:
+        return _run_workflow(args, plan)
+    if args.stream:
+        return _run_stream(args, plan)
+    return _run_single(args, plan)
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """The options checked against each other, the checkpoints' cards and serving defaults, this
+    machine's memory and ranks and the output path: everything but the weights.
+
+    :raises InvalidInputError: naming the option.
+    """
     from .. import media
-    from ..checkpoint_defaults import read_checkpoint_defaults
-    from ..loading import check_load_options, load, read_card, resolve_checkpoint
-    from ..parallel import is_rank_of, launch
-    from ..seam.platform import Platform
-    from ..request import DiffusionParams, check_memory
+    from ..loading import check_load_options
     from ..workflows import WORKFLOWS
 
     quiet_libraries()
+    suffix = _check_output(args)
+    image = media.read_image(args.image) if args.image is not None else None  # missing, bomb...
+    _check_models(args)
+    params = _params(args)
+    backends = args.backend or [None]
+    if len(backends) > (2 if args.workflow else 1):
+        raise InvalidInputError(
+            f"--backend given {len(backends)} times; once, or once per workflow stage")
+    stages = WORKFLOWS[args.workflow].stage_params(params) if args.workflow else (params,)
+    _check_memory(args.model, stages)
+    media.check_writable(args.output)
+    platforms = [Platform(b) if b else Platform.detect() for b in backends]
+    for path, stage_platform in zip(args.model, platforms * 2):  # before any weights load
+        check_load_options(path, stage_platform, **memory_options(args))
+    return _Plan(params, stages, platforms, _parallel(args, stages, platforms), suffix, image,
+                 tuple(args.ignore_scheduler_option or ()))
+
+
+def _check_output(args: argparse.Namespace) -> str:
+    """``--output``'s suffix, checked against ``--stream`` and ``--workflow``; ``--fps``."""
+    from pathlib import Path
+
+    from .. import media
+
     suffix = Path(args.output).suffix.lower()
     if args.stream and (suffix != ".mp4" or args.workflow is not None):
         raise InvalidInputError(
@@ -169,7 +249,14 @@ def _generate(args: argparse.Namespace) -> int:
             "images, .mp4 or .gif for videos, .wav for the sound alone")
     if args.fps is not None:
         media.check_fps(args.fps)
-    image = media.read_image(args.image) if args.image is not None else None  # missing, bomb...
+    return suffix
+
+
+def _check_models(args: argparse.Namespace) -> None:
+    """One ``--model`` (two with ``--workflow``, which must be known), and ``--image`` where the
+    card takes one."""
+    from ..workflows import WORKFLOWS
+
     if args.workflow is not None:
         if args.workflow not in WORKFLOWS:
             raise InvalidInputError(
@@ -185,6 +272,12 @@ def _generate(args: argparse.Namespace) -> int:
         _check_image_flag(args)
     if args.stream and args.image is not None:
         raise InvalidInputError("--stream generates from text; --image is for image-to-video")
+
+
+def _params(args: argparse.Namespace) -> DiffusionParams:
+    """The request's parameters from the options; ``--lora`` files must exist."""
+    from pathlib import Path
+
     params = DiffusionParams(num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
                              height=args.height, width=args.width, num_frames=args.frames,
                              negative_prompt=args.negative_prompt, flow_shift=args.flow_shift,
@@ -198,93 +291,102 @@ def _generate(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"--lora {spec.path} does not exist")
         if args.workflow is not None:
             raise InvalidInputError("--lora applies to one model; a --workflow runs two")
-    ignore = tuple(args.ignore_scheduler_option or ())
-    backends = args.backend or [None]
-    if len(backends) > (2 if args.workflow else 1):
-        raise InvalidInputError(
-            f"--backend given {len(backends)} times; once, or once per workflow stage")
-    # the cards (from model_index.json alone) give the defaults the memory check needs
-    stages = WORKFLOWS[args.workflow].stage_params(params) if args.workflow else (params,)
-    for model_path, stage in zip(args.model, stages):
+    return params
+
+
+def _check_memory(models: list[str], stages: tuple[DiffusionParams, ...]) -> None:
+    """Each stage's request against this machine's memory, with the defaults its card and its
+    checkpoint's ``flowseam.json`` give (read from the files alone)."""
+    from ..checkpoint_defaults import read_checkpoint_defaults
+    from ..loading import read_card, resolve_checkpoint
+    from ..request import check_memory
+
+    for model_path, stage in zip(models, stages):
         root = resolve_checkpoint(model_path)
         check_memory(stage.with_defaults({**read_card(root).defaults,
                                           **read_checkpoint_defaults(root)}))
-    media.check_writable(args.output)
-    platforms = [Platform(b) if b else Platform.detect() for b in backends]
-    platform = platforms[0]
-    for path, stage_platform in zip(args.model, platforms * 2):  # before any weights load
-        check_load_options(path, stage_platform, **memory_options(args))
-    parallel = _parallel(args, stages, platforms)
-    rank = int(os.environ.get("RANK", "0")) if parallel is not None else 0
-    if parallel is not None and not is_rank_of(parallel.world_size):  # start the ranks
-        return launch(args.argv, parallel.world_size)
+
+
+def _run_workflow(args: argparse.Namespace, plan: _Plan) -> int:
+    """``--workflow``: the text-to-image stage, then image-to-video from its image."""
+    from ..workflows import WORKFLOWS
+
     started = time.perf_counter()
-    if args.workflow is not None:
-        # each stage keeps its own platform resolution (a second --backend sets stage 2's)
-        t2i = load(args.model[0], platform=platform, ignore_scheduler_options=ignore,
-                   parallel=parallel, quiet=rank != 0, **memory_options(args))
-        i2v = load(args.model[1], platform=platforms[-1], ignore_scheduler_options=ignore,
-                   parallel=parallel, quiet=rank != 0, **memory_options(args))
-        _check_sound(args.output, suffix, i2v)
-        workflow = WORKFLOWS[args.workflow](t2i, i2v)
-        image_params, video_params = stages
-        result = workflow.run(args.prompt, t2i_params=image_params,
-                              i2v_params=_with_frame_rate(video_params, i2v, args.fps),
-                              seed=args.seed, progress=rank == 0)
-        frames, models, runs = result.frames, [t2i, i2v], result.stages
-        if rank != 0:  # every rank holds the frames; rank 0 writes them and reports
-            return 0
-    elif args.stream:
-        model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore,
-                     **memory_options(args))
-        chunks = model.generate_stream(args.prompt, params=params)  # refuses a non-causal model
-        with media.StreamingVideoWriter(args.output, fps=args.fps or 8) as writer:
-            for chunk in chunks:
-                writer.write(chunk.frames[0])
-                if chunk.index == 0:
-                    print(f"time-to-first-chunk: {chunk.seconds:.2f} s ({chunk.frames.shape[1]} "
-                          f"frame(s) written to {args.output} while the rest is generated)",
-                          flush=True)
-        result = chunk.result
-        seconds = time.perf_counter() - started
-        print(f"wrote {args.output} ({writer.frames} frame(s) of {chunk.frames.shape[2]}x"
-              f"{chunk.frames.shape[3]}, {result.chunks} chunks, streamed) in {seconds:.2f} s | "
-              f"{model.provenance()}")
+    t2i, i2v = plan.load(args, 0), plan.load(args, 1)
+    _check_sound(args.output, plan.suffix, i2v)
+    image_params, video_params = plan.stages
+    result = WORKFLOWS[args.workflow](t2i, i2v).run(
+        args.prompt, t2i_params=image_params,
+        i2v_params=_with_frame_rate(video_params, i2v, args.fps), seed=args.seed,
+        progress=plan.rank == 0)
+    if plan.rank != 0:  # every rank holds the frames; rank 0 writes them and reports
         return 0
-    else:
-        model = load(args.model[0], platform=platform, ignore_scheduler_options=ignore,
-                     parallel=parallel, quiet=rank != 0, **memory_options(args))
-        _check_sound(args.output, suffix, model)
-        result = model.generate(args.prompt, image=image,
-                                params=_with_frame_rate(params, model, args.fps),
-                                progress=rank == 0)
-        frames, models, runs = result.frames, [model], [result]
-        if rank != 0:  # every rank holds the frames; rank 0 writes them and reports
-            return 0
-    stage = result.stages[-1] if args.workflow is not None else result
-    if frames.shape[1] > 1 and suffix in media.IMAGE_SUFFIXES:
+    return _write(args, plan, result.frames, result.stages[-1], [t2i, i2v], result.stages, started)
+
+
+def _run_stream(args: argparse.Namespace, plan: _Plan) -> int:
+    """``--stream``: a causal model's video written chunk by chunk as it is generated."""
+    from .. import media
+
+    started = time.perf_counter()
+    model = plan.load(args, 0)
+    chunks = model.generate_stream(args.prompt, params=plan.params)  # refuses a non-causal model
+    with media.StreamingVideoWriter(args.output, fps=args.fps or 8) as writer:
+        for chunk in chunks:
+            writer.write(chunk.frames[0])
+            if chunk.index == 0:
+                print(f"time-to-first-chunk: {chunk.seconds:.2f} s ({chunk.frames.shape[1]} "
+                      f"frame(s) written to {args.output} while the rest is generated)",
+                      flush=True)
+    seconds = time.perf_counter() - started
+    print(f"wrote {args.output} ({writer.frames} frame(s) of {chunk.frames.shape[2]}x"
+          f"{chunk.frames.shape[3]}, {chunk.result.chunks} chunks, streamed) in {seconds:.2f} s | "
+          f"{model.provenance()}")
+    return 0
+
+
+def _run_single(args: argparse.Namespace, plan: _Plan) -> int:
+    """One model's image, video or sound."""
+    started = time.perf_counter()
+    model = plan.load(args, 0)
+    _check_sound(args.output, plan.suffix, model)
+    result = model.generate(args.prompt, image=plan.image,
+                            params=_with_frame_rate(plan.params, model, args.fps),
+                            progress=plan.rank == 0)
+    if plan.rank != 0:  # every rank holds the frames; rank 0 writes them and reports
+        return 0
+    return _write(args, plan, result.frames, result, [model], [result], started)
+
+
+def _write(args: argparse.Namespace, plan: _Plan, frames: Any, last: Any, models: list,
+           runs: list, started: float) -> int:
+    """Write the output atomically (``last``: the run whose sound and frame rate it takes) and
+    print one line: what was written, then per model where its parts came from and the solver
+    that ran."""
+    from .. import media
+
+    if frames.shape[1] > 1 and plan.suffix in media.IMAGE_SUFFIXES:
         raise InvalidInputError(
             f"--output {args.output}: this request makes a {frames.shape[1]}-frame "
             "video; use .mp4 or .gif")
-    audio = stage.audio[0] if stage.audio is not None else None
-    if audio is not None and suffix == ".gif":
+    audio = last.audio[0] if last.audio is not None else None
+    if audio is not None and plan.suffix == ".gif":
         print("flowseam: note: a GIF has no audio track; the audio is dropped (use .mp4 for video "
               "with sound, or .wav for the sound alone)", file=sys.stderr)
         audio = None
-    fps = args.fps or stage.params.frame_rate or 8
-    media.write_output(args.output, frames[0], fps=fps, audio=audio, sample_rate=stage.sample_rate)
+    fps = args.fps or last.params.frame_rate or 8
+    media.write_output(args.output, frames[0], fps=fps, audio=audio, sample_rate=last.sample_rate)
     seconds = time.perf_counter() - started
-    what = (f"{audio.shape[1] / stage.sample_rate:.2f} s of {audio.shape[0]}-channel audio at "
-            f"{stage.sample_rate} Hz" if suffix in media.AUDIO_SUFFIXES else
+    what = (f"{audio.shape[1] / last.sample_rate:.2f} s of {audio.shape[0]}-channel audio at "
+            f"{last.sample_rate} Hz" if plan.suffix in media.AUDIO_SUFFIXES else
             f"{frames.shape[1]} frame(s) of {frames.shape[2]}x{frames.shape[3]}"
             + (f" with {audio.shape[0]}-channel AAC audio" if audio is not None else ""))
-    # one line: the output, then per model where its parts came from and the solver that ran
-    lora = f" | {models[0].adapters.describe(params.lora)}" if params.lora else ""
+    extra = f" | {models[0].adapters.describe(plan.params.lora)}" if plan.params.lora else ""
     cached = [r.cache for r in runs if r.cache]
     if cached:
-        lora += " | cache " + ", ".join(f"{c['policy']}: {c['steps_computed']} steps computed, "
-                                        f"{c['steps_skipped']} skipped" for c in cached)
-    print(f"wrote {args.output} ({what}) in {seconds:.2f} s{lora} | "
+        extra += " | cache " + ", ".join(f"{c['policy']}: {c['steps_computed']} steps computed, "
+                                         f"{c['steps_skipped']} skipped" for c in cached)
+    print(f"wrote {args.output} ({what}) in {seconds:.2f} s{extra} | "
           + " | ".join(f"{m.provenance(solver=False)}; {r.solver or m.solver_line()}"
                        for m, r in zip(models, runs)))
     return 0

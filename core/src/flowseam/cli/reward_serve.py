@@ -1,5 +1,5 @@
 """``flowseam reward-serve``: serve an installed reward over HTTP (see
-:mod:`flowseam.rewards.server`), for ``reward = "http://HOST:PORT/NAME"`` in a training config."""
+:mod:`flowseam.rewards.reward_server`), for ``reward = "http://HOST:PORT/NAME"`` in a training config."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..errors import InvalidInputError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``reward-serve`` command and its options (their defaults:
     ``rewards.server.RewardServeOptions``)."""
-    from ..rewards.server import RewardServeOptions as defaults
+    from ..rewards.reward_server import RewardServeOptions as defaults
 
     s = sub.add_parser(
         "reward-serve", help="serve an installed reward over HTTP, for reward = "
@@ -49,7 +49,7 @@ def cmd_reward_serve(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from ..rewards.server import RewardServeOptions, run
+    from ..rewards.reward_server import RewardServeOptions, run
 
     try:
         reward_args = json.loads(args.reward_args)

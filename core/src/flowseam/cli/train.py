@@ -114,7 +114,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "the run needs somewhere to write its trained model: set output_dir in "
             "the config, or pass --output-dir DIR")
     if launcher:
-        from ..parallel import launch
+        from ..launch import launch
 
         argv = ["train", "--method", args.method, "--config", args.config]
         argv += [a for s in args.set or [] for a in ("--set", s)]

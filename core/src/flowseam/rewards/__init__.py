@@ -10,6 +10,6 @@ float in [0, 1]) -> torch.Tensor (B,) float32``; a video is scored per frame and
   PP-OCRv4 recognizer through ``rapidocr-onnxruntime`` (extra ``flowseam[ocr]``).
 * ``clip_score``, ``pickscore``, ``aesthetic`` (:mod:`flowseam.rewards.clip`): CLIP-family scorers
   loaded from a local directory in the model's published layout (transformers' ``CLIPModel``).
-* a reward server and its client (:mod:`flowseam.rewards.server`, :mod:`flowseam.rewards.remote`):
+* a reward server and its client (:mod:`flowseam.rewards.reward_server`, :mod:`flowseam.rewards.remote`):
   ``flowseam reward-serve --reward NAME`` and ``reward = "http://127.0.0.1:PORT/NAME"`` in a config.
 """

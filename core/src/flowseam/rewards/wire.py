@@ -27,7 +27,7 @@ the server does not serve), 413 (more samples than ``--max-batch``, or a body ov
 raised, or returned something that is not one score per sample; the message names the reward,
 its plugin and what it returned).
 
-This module is shared by the server (:mod:`flowseam.rewards.server`) and the client
+This module is shared by the server (:mod:`flowseam.rewards.reward_server`) and the client
 (:mod:`flowseam.rewards.remote`); it imports numpy only (safetensors, Pillow and PyAV where a
 format needs them).
 """

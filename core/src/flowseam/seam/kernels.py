@@ -57,7 +57,7 @@ class BoundKernel:
 
 
 @dataclass(frozen=True)
-class Conflict:
+class KernelConflict:
     """Two or more plugins registered the same (op, device, arch)."""
 
     op: str
@@ -95,9 +95,9 @@ class KernelTable:
             for _, _, b in ranked:
                 self._all[b.impl_id] = b
             if len(ranked) > 1:
-                conflicts.append(Conflict(*key, winner=ranked[0][2].impl_id,
+                conflicts.append(KernelConflict(*key, winner=ranked[0][2].impl_id,
                                           losers=tuple(b.impl_id for _, _, b in ranked[1:])))
-        self.conflicts: tuple[Conflict, ...] = tuple(conflicts)
+        self.conflicts: tuple[KernelConflict, ...] = tuple(conflicts)
         self._resolved: dict[str, BoundKernel] = {}
         self.walks: dict[str, tuple[str, ...]] = {}
         for op in sorted({k[0] for k in slots}):

@@ -35,9 +35,9 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import BadRequest, Conflict, Engine, JobRequest, NotFound, ServeError
+from .engine import BadRequest, Engine, JobConflict, JobRequest, NotFound, ServeError
 from .jobs import PUBLIC_STATUSES, Job, valid_job_id
-from .metrics import CONTENT_TYPE
+from .prometheus import CONTENT_TYPE
 from .protocol import (
     ErrorBody,
     ErrorResponse,
@@ -85,8 +85,15 @@ def build_app(engine: Engine, *, api_key: str | None = None,
     if api_key:
         app.add_middleware(_Auth, key=api_key)
     _install_error_handlers(app)
+    _image_routes(app, engine)
+    _video_routes(app, engine, max_upload_bytes)
+    _service_routes(app, engine)
+    return app
 
-    # -- images ------------------------------------------------------------------------------
+
+def _image_routes(app: FastAPI, engine: Engine) -> None:
+    """``POST /v1/images/generations`` (the OpenAI images API) and the images' content."""
+
     @app.post("/v1/images/generations", response_model=ImagesResponse)
     async def create_images(body: ImageGenerationRequest, request: Request) -> ImagesResponse:
         job = engine.submit(JobRequest(kind="image", n=body.n, **_common_fields(body)))
@@ -117,7 +124,10 @@ def build_app(engine: Engine, *, api_key: str | None = None,
                            param="image_id")
         return FileResponse(engine.output_path(job, int(index)), media_type="image/png")
 
-    # -- videos ------------------------------------------------------------------------------
+
+def _video_routes(app: FastAPI, engine: Engine, max_upload_bytes: int) -> None:
+    """``/v1/videos`` (the OpenAI videos API: create, list, retrieve, content, delete)."""
+
     @app.post("/v1/videos", response_model=VideoObject)
     async def create_video(request: Request) -> JSONResponse:
         data, upload = await _read_video_body(request, max_upload_bytes)
@@ -125,17 +135,7 @@ def build_app(engine: Engine, *, api_key: str | None = None,
             body = VideoCreateRequest.model_validate(data)
         except ValidationError as exc:
             raise _validation_error(exc.errors(), VideoCreateRequest) from None
-        image = None
-        try:
-            if upload is not None:
-                if body.input_reference is not None:
-                    raise UploadError("input_reference given twice (a file and a field)")
-                image = await asyncio.to_thread(decode_image, upload)
-            elif body.input_reference is not None:
-                raw = reference_bytes(body.input_reference)
-                image = await asyncio.to_thread(decode_image, raw)
-        except UploadError as exc:
-            raise BadRequest(str(exc), param="input_reference") from None
+        image = await _reference_image(body, upload)
         if body.seconds is not None and body.frames is not None:
             raise BadRequest("give seconds or frames, not both", param="seconds")
         frames = body.frames if body.seconds is None else body.seconds * body.fps + 1
@@ -165,7 +165,7 @@ def build_app(engine: Engine, *, api_key: str | None = None,
             raise BadRequest(f"variant={variant!r}: flowseam serves the video only "
                              "(no thumbnail or spritesheet)", param="variant")
         if job.status != "completed":
-            raise Conflict(f"video {video_id} is {job.status}"
+            raise JobConflict(f"video {video_id} is {job.status}"
                            + (f" ({job.progress}%)" if job.status == "in_progress" else "")
                            + "; its content exists once it is completed", code="not_ready")
         return FileResponse(engine.output_path(job), media_type="video/mp4",
@@ -180,7 +180,28 @@ def build_app(engine: Engine, *, api_key: str | None = None,
         engine.delete(video_id)
         return VideoDeleted(id=video_id)
 
-    # -- models, health, metrics, the page ------------------------------------------------------
+
+async def _reference_image(body: VideoCreateRequest, upload: bytes | None) -> Any:
+    """The first frame a video request gives: an uploaded file, or ``input_reference`` (a data
+    URL), decoded; None for none.
+
+    :raises BadRequest: for one given twice, or one that does not decode.
+    """
+    try:
+        if upload is not None:
+            if body.input_reference is not None:
+                raise UploadError("input_reference given twice (a file and a field)")
+            return await asyncio.to_thread(decode_image, upload)
+        if body.input_reference is not None:
+            return await asyncio.to_thread(decode_image, reference_bytes(body.input_reference))
+    except UploadError as exc:
+        raise BadRequest(str(exc), param="input_reference") from None
+    return None
+
+
+def _service_routes(app: FastAPI, engine: Engine) -> None:
+    """``/v1/models``, ``/health``, ``/metrics`` and the web page."""
+
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
         return ModelList(data=[ModelObject(**vars(m)) for m in engine.served()])
@@ -210,8 +231,6 @@ def build_app(engine: Engine, *, api_key: str | None = None,
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index() -> HTMLResponse:
         return HTMLResponse(page)
-
-    return app
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from .. import media
 from ..seam.faults import is_out_of_memory
 from ..request import DiffusionParams, GenerationRequest, TaskType
 from .jobs import Job, JobStore, new_job_id
-from .metrics import ServeMetrics
+from .prometheus import ServeMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models.instance import ModelInstance
@@ -87,7 +87,9 @@ class NotFound(ServeError):
     status = 404
 
 
-class Conflict(ServeError):
+class JobConflict(ServeError):
+    """A request the job's state does not allow yet (its content before it is completed)."""
+
     status = 409
 
 
@@ -269,9 +271,11 @@ class ModelWorker(threading.Thread):
             return batch
 
     def _run(self, batch: list[_Item]) -> None:
+        """Run one batch of jobs through the model's loop and deliver each job's rows; a job
+        cancelled or a server stopping ends the run at the next step boundary."""
         from ..loops import run_loop
 
-        engine, metrics = self.engine, self.engine.metrics
+        engine = self.engine
         for item in batch:
             if engine.cancel_requested(item.job.id):  # cancelled as the worker took it
                 engine.acknowledge_cancel(item.job)
@@ -282,55 +286,13 @@ class ModelWorker(threading.Thread):
             return
         for item in live:
             engine.started(item.job)
-        if len(batch) == 1:
-            request = batch[0].request  # exactly the request flowseam generate would run
-        else:
-            first = batch[0].request
-            request = GenerationRequest(
-                prompt=[p for it in batch for p in it.request.prompts], task=first.task,
-                params=first.params,
-                seeds=[s for it in batch for s in it.request.sample_seeds(it.request.params)])
-        metrics.batch_size.labels(self.model_name).observe(len(request.prompts))
-        last = [time.perf_counter()]
-        started = last[0]
-
-        def on_step(index: int, num_steps: int, latents: Any) -> None:
-            now = time.perf_counter()
-            if index > 0:  # step 0's interval includes encoding the prompt
-                metrics.step_seconds.labels(self.model_name).observe(now - last[0])
-            last[0] = now
-            for it in live:
-                done = it.steps_before + index + 1
-                it.job.progress = min(99, 100 * done // it.total_steps)
-            if self.stopping:
-                raise _Stop("server stopping")
-            for it in [it for it in live if engine.cancel_requested(it.job.id)]:
-                live.remove(it)
-                engine.acknowledge_cancel(it.job)
-            if not live:
-                raise _Stop("cancelled")
-
-        result = None
+        request = self._request(batch)
+        started = time.perf_counter()
         try:
-            result = (engine.run or run_loop)(self.model, request, step_callback=on_step)
-            frames, row = result.frames, 0
-            for item in batch:
-                rows = frames[row:row + item.rows]
-                row += item.rows
-                if item not in live:
-                    continue
-                if engine.cancel_requested(item.job.id):  # cancelled during decoding
-                    engine.acknowledge_cancel(item.job)
-                    continue
-                try:
-                    if item.then is not None:
-                        item.then(rows)
-                    else:
-                        engine.complete(item.job, engine.write_outputs(item.job, rows, item.fps))
-                except ServeError as exc:
-                    engine.fail(item.job, exc.code or "stage_failed", exc.message)
-                except Exception as exc:  # writing the output failed (disk full, ...)
-                    engine.fail(item.job, "output_failed", f"{type(exc).__name__}: {exc}")
+            result = (engine.run or run_loop)(self.model, request,
+                                              step_callback=self._on_step(live))
+            self._deliver(batch, live, result.frames)
+            del result
         except _Stop:
             for item in live:
                 if engine.cancel_requested(item.job.id):
@@ -349,8 +311,69 @@ class ModelWorker(threading.Thread):
                 self.running = []
             seconds = time.perf_counter() - started
             self.mean_run_seconds = 0.8 * self.mean_run_seconds + 0.2 * seconds
-            del result, request, live
+            del request, live
             free_memory()
+
+    def _request(self, batch: list[_Item]) -> GenerationRequest:
+        """One request for the batch: a lone job's own (exactly what ``flowseam generate``
+        would run), else every job's prompts and seeds in order, with the first one's params."""
+        if len(batch) == 1:
+            request = batch[0].request
+        else:
+            first = batch[0].request
+            request = GenerationRequest(
+                prompt=[p for it in batch for p in it.request.prompts], task=first.task,
+                params=first.params,
+                seeds=[s for it in batch for s in it.request.sample_seeds(it.request.params)])
+        self.engine.metrics.batch_size.labels(self.model_name).observe(len(request.prompts))
+        return request
+
+    def _on_step(self, live: list[_Item]) -> Callable[[int, int, Any], None]:
+        """The loop's step callback: step times, each job's progress, and a stop at this step
+        boundary when the server stops or every job of the batch was cancelled (a cancelled
+        job leaves ``live``)."""
+        engine, metrics = self.engine, self.engine.metrics
+        last = [time.perf_counter()]
+
+        def on_step(index: int, num_steps: int, latents: Any) -> None:
+            now = time.perf_counter()
+            if index > 0:  # step 0's interval includes encoding the prompt
+                metrics.step_seconds.labels(self.model_name).observe(now - last[0])
+            last[0] = now
+            for it in live:
+                done = it.steps_before + index + 1
+                it.job.progress = min(99, 100 * done // it.total_steps)
+            if self.stopping:
+                raise _Stop("server stopping")
+            for it in [it for it in live if engine.cancel_requested(it.job.id)]:
+                live.remove(it)
+                engine.acknowledge_cancel(it.job)
+            if not live:
+                raise _Stop("cancelled")
+
+        return on_step
+
+    def _deliver(self, batch: list[_Item], live: list[_Item], frames: Any) -> None:
+        """Each live job's rows of ``frames``: written as its outputs, or handed to its next
+        stage (``then``); a job cancelled during decoding is acknowledged instead."""
+        engine, row = self.engine, 0
+        for item in batch:
+            rows = frames[row:row + item.rows]
+            row += item.rows
+            if item not in live:
+                continue
+            if engine.cancel_requested(item.job.id):  # cancelled during decoding
+                engine.acknowledge_cancel(item.job)
+                continue
+            try:
+                if item.then is not None:
+                    item.then(rows)
+                else:
+                    engine.complete(item.job, engine.write_outputs(item.job, rows, item.fps))
+            except ServeError as exc:
+                engine.fail(item.job, exc.code or "stage_failed", exc.message)
+            except Exception as exc:  # writing the output failed (disk full, ...)
+                engine.fail(item.job, "output_failed", f"{type(exc).__name__}: {exc}")
 
 
 def describe_failure(exc: BaseException) -> tuple[str, str]:

@@ -63,8 +63,22 @@ def check_options(opts: ServeOptions) -> list[str]:
     :raises ValueError: naming the bad option and what is allowed.
     :raises FlowseamError: for an output directory that cannot be written.
     """
-    from ..workflows import WORKFLOWS
+    _check_numbers(opts)
+    ids = _check_models(opts)
+    out = Path(opts.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".flowseam-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise FlowseamError(f"--output-dir={opts.output_dir!r} is not a writable directory: "
+                            f"{exc}") from exc
+    return ids
 
+
+def _check_numbers(opts: ServeOptions) -> None:
+    """The port, queue, batch, expiry, upload size, threads, API key and log level."""
     if not 0 <= opts.port <= 65535:
         raise InvalidInputError(f"--port={opts.port} must be in [0, 65535] (0: any free port)")
     for name, value, low in (("max-queue", opts.max_queue, 1), ("max-batch", opts.max_batch, 1)):
@@ -82,17 +96,21 @@ def check_options(opts: ServeOptions) -> list[str]:
         raise InvalidInputError(
             f"--log-level={opts.log_level!r}: use critical, error, warning, info or "
             "debug")
-    if opts.workflow is not None:
-        if opts.workflow not in WORKFLOWS:
-            raise InvalidInputError(f"--workflow {opts.workflow!r} is unknown; available: "
-                                    f"{sorted(WORKFLOWS)}")
+
+
+def _check_models(opts: ServeOptions) -> list[str]:
+    """The ``--model`` checkpoints (one id each, a ``model_index.json`` where local), the
+    ``--workflow`` over them and ``--backend`` once or once per model; returns the served ids."""
+    from ..workflows import WORKFLOWS
+
+    if opts.workflow is not None and opts.workflow not in WORKFLOWS:
+        raise InvalidInputError(f"--workflow {opts.workflow!r} is unknown; available: "
+                                f"{sorted(WORKFLOWS)}")
     if len(opts.backends) > 1 and len(opts.backends) != len(opts.models):
         raise InvalidInputError(
             f"--backend given {len(opts.backends)} times; give it once, or once per "
             f"--model ({len(opts.models)})")
-    ids = [model_id(m) for m in opts.models]
-    if opts.workflow is not None:
-        ids.append(opts.workflow)
+    ids = [model_id(m) for m in opts.models] + ([opts.workflow] if opts.workflow else [])
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise InvalidInputError(f"two --model checkpoints would be served as {dupes[0]!r}: each is "
@@ -109,15 +127,6 @@ def check_options(opts: ServeOptions) -> list[str]:
             raise InvalidInputError(
                 f"--workflow {opts.workflow} needs a text-to-image and an image-to-"
                 f"video --model; the checkpoints given make {tasks}")
-    out = Path(opts.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".flowseam-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise FlowseamError(f"--output-dir={opts.output_dir!r} is not a writable directory: "
-                            f"{exc}") from exc
     return ids
 
 
@@ -222,13 +231,8 @@ def run(opts: ServeOptions, argv: list[str] | None = None) -> int:
     """
     import os
 
-    import uvicorn
-
-    from ..quiet import quiet_libraries
-    from ..parallel import is_rank_of, launch
-    from ..workflows import WORKFLOWS
-    from .api_server import build_app
-    from .engine import Engine
+    from ..launch import launch
+    from ..parallel import is_rank_of
 
     ids = check_options(opts)
     parallel = check_parallel_options(opts)
@@ -237,54 +241,58 @@ def run(opts: ServeOptions, argv: list[str] | None = None) -> int:
         if opts.port:
             bind(opts.host, opts.port).close()  # a port in use fails here, before the ranks
         return launch(list(argv or ()), parallel.world_size)
-    rank = int(os.environ.get("RANK", "0")) if parallel is not None else 0
-    if rank != 0:
+    if parallel is not None and int(os.environ.get("RANK", "0")) != 0:
         return _follow(opts, ids, parallel)
     sock = bind(opts.host, opts.port)
     relay = None
     try:
-        host, port = sock.getsockname()[:2]
-        if not _loopback(opts.host) and opts.api_key is None:
+        if not is_loopback(opts.host) and opts.api_key is None:
             print(f"flowseam serve: warning: listening on {opts.host} without --api-key: anyone "
                   "who can reach this port can generate", file=sys.stderr)
-        quiet_libraries()
-        if opts.threads is not None:
-            import torch
-
-            torch.set_num_threads(opts.threads)
         models = _load_models(opts, ids, parallel)
-        preload_loras(models, opts.loras)
         if parallel is not None:
             from .ranks import RankRelay
 
             relay = RankRelay(models)
-        workflow = None
-        if opts.workflow is not None:
-            t2i, i2v = workflow_stages(models)
-            workflow = (opts.workflow, WORKFLOWS[opts.workflow](models[t2i], models[i2v]), t2i, i2v)
-        engine = Engine(models, opts.output_dir, workflow=workflow, max_queue=opts.max_queue,
-                        max_batch=opts.max_batch, expire_after=opts.expire_after,
-                        run=relay.run if relay is not None else None)
-        app = build_app(engine, api_key=opts.api_key,
-                        max_upload_bytes=int(opts.max_upload_mb * 2**20))
-        logging.getLogger("flowseam.serve").setLevel(opts.log_level.upper())
-        config = uvicorn.Config(app, log_level=opts.log_level, timeout_graceful_shutdown=10)
-        server = uvicorn.Server(config)
-        if relay is not None:  # a run that failed on rank 0 alone stops the server
-            relay.on_broken = lambda: setattr(server, "should_exit", True)
-        shown = f"[{host}]" if ":" in host else host
-        print(f"flowseam serve: listening on http://{shown}:{port} | models: "
-              + ", ".join(m.id for m in engine.served()), flush=True)
-        for name, model in models.items():
-            print(f"  {name}: {model.provenance()}", flush=True)
-        try:
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
-            return 130
+        return _serve(opts, sock, models, relay)
     finally:
         sock.close()
         if relay is not None:
             relay.close()
+
+
+def _serve(opts: ServeOptions, sock: socket.socket, models: dict, relay) -> int:
+    """Run uvicorn on ``sock`` with an engine over ``models`` (and the ranks' ``relay``) until
+    it stops: 0, 130 after Ctrl-C, 1 when a run failed on rank 0 alone."""
+    import uvicorn
+
+    from ..workflows import WORKFLOWS
+    from .api_server import build_app
+    from .engine import Engine
+
+    workflow = None
+    if opts.workflow is not None:
+        t2i, i2v = workflow_stages(models)
+        workflow = (opts.workflow, WORKFLOWS[opts.workflow](models[t2i], models[i2v]), t2i, i2v)
+    engine = Engine(models, opts.output_dir, workflow=workflow, max_queue=opts.max_queue,
+                    max_batch=opts.max_batch, expire_after=opts.expire_after,
+                    run=relay.run if relay is not None else None)
+    app = build_app(engine, api_key=opts.api_key, max_upload_bytes=int(opts.max_upload_mb * 2**20))
+    logging.getLogger("flowseam.serve").setLevel(opts.log_level.upper())
+    server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level,
+                                           timeout_graceful_shutdown=10))
+    if relay is not None:  # a run that failed on rank 0 alone stops the server
+        relay.on_broken = lambda: setattr(server, "should_exit", True)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"flowseam serve: listening on http://{shown}:{port} | models: "
+          + ", ".join(m.id for m in engine.served()), flush=True)
+    for name, model in models.items():
+        print(f"  {name}: {model.provenance()}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        return 130
     if relay is not None and relay.broken:
         print(f"flowseam serve: stopped: {relay.broken}", file=sys.stderr)
         return 1
@@ -314,37 +322,40 @@ def _check_load_options(opts: ServeOptions) -> None:
 
 def _load_models(opts: ServeOptions, ids: list[str], parallel: "Parallel | None") -> dict:
     """Every ``--model``, in order, on its ``--backend`` (split per ``parallel``; every rank
-    loads the same models in the same order, and only rank 0 prints the load lines)."""
+    loads the same models in the same order, and only rank 0 prints the load lines), with the
+    ``--lora`` files read; the libraries quiet and ``--threads`` set first."""
     import os
 
     from ..loading import load
-
-    quiet = int(os.environ.get("RANK", "0")) != 0
-    return {name: load(path, platform=platform, parallel=parallel, quiet=quiet,
-                       **opts.load_options)
-            for name, path, platform in zip(ids, opts.models, _platforms(opts))}
-
-
-def _follow(opts: ServeOptions, ids: list[str], parallel: "Parallel") -> int:
-    """A rank above 0 of ``flowseam serve --nproc``: load what rank 0 loads, then run what it
-    sends (:func:`flowseam.serve.ranks.follow`)."""
     from ..quiet import quiet_libraries
-    from .ranks import follow
 
     quiet_libraries()
     if opts.threads is not None:
         import torch
 
         torch.set_num_threads(opts.threads)
-    models = _load_models(opts, ids, parallel)
+    quiet = int(os.environ.get("RANK", "0")) != 0
+    models = {name: load(path, platform=platform, parallel=parallel, quiet=quiet,
+                         **opts.load_options)
+              for name, path, platform in zip(ids, opts.models, _platforms(opts))}
     preload_loras(models, opts.loras)
+    return models
+
+
+def _follow(opts: ServeOptions, ids: list[str], parallel: "Parallel") -> int:
+    """A rank above 0 of ``flowseam serve --nproc``: load what rank 0 loads, then run what it
+    sends (:func:`flowseam.serve.ranks.follow`)."""
+    from .ranks import follow
+
+    models = _load_models(opts, ids, parallel)
     try:
         return follow(models)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: rank 0 says it stopped
         return 130
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``)."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:

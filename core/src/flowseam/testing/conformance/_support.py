@@ -94,7 +94,7 @@ def randn(shape: tuple[int, ...], seed: int, dtype: str, device: str) -> torch.T
 
 
 @dataclass(frozen=True)
-class Step:
+class StepCase:
     """One solver step of the kernel checks: sigmas, latent shape and noise level."""
 
     id: str
@@ -106,11 +106,11 @@ class Step:
 
 
 STEPS = (
-    Step("first", 1.0, 0.95, (2, 16, 2, 4, 4), sigma_max=0.95),  # sigma == 1: SDE uses sigma_max
-    Step("middle", 0.6, 0.45, (3, 37)),                          # odd size, rank 2
-    Step("last", 0.1, 0.0, (1, 16, 64)),                         # packed latents, batch 1, to 0
-    Step("noise_level_0", 0.6, 0.45, (2, 9), noise_level=0.0),   # the SDE step, deterministic
-    Step("large", 0.5, 0.3, (2, 16, 5, 12, 20), noise_level=1.0),
+    StepCase("first", 1.0, 0.95, (2, 16, 2, 4, 4), sigma_max=0.95),  # sigma == 1: SDE uses sigma_max
+    StepCase("middle", 0.6, 0.45, (3, 37)),                          # odd size, rank 2
+    StepCase("last", 0.1, 0.0, (1, 16, 64)),                         # packed latents, batch 1, to 0
+    StepCase("noise_level_0", 0.6, 0.45, (2, 9), noise_level=0.0),   # the SDE step, deterministic
+    StepCase("large", 0.5, 0.3, (2, 16, 5, 12, 20), noise_level=1.0),
 )
 LARGE = STEPS[-1]
 
@@ -244,7 +244,7 @@ class KernelCase:
     arch: str
     x_dtype: str = "float32"
     v_dtype: str = "float32"
-    step: Step | None = None
+    step: StepCase | None = None
     attention: AttentionCase | None = None
     cached: CachedAttentionCase | None = None
     renoise: RenoiseCase | None = None

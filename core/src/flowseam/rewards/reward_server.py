@@ -39,7 +39,7 @@ from ..errors import FlowseamError, InvalidInputError
 from ..seam.discovery import claims
 from . import wire
 
-log = logging.getLogger("flowseam.rewards.server")
+log = logging.getLogger("flowseam.rewards.reward_server")
 
 #: the log levels ``--log-level`` takes (uvicorn's)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -90,9 +90,9 @@ def check_options(opts: RewardServeOptions) -> None:
 def exposure_warning(host: str, api_key: str | None) -> str | None:
     """What ``reward-serve`` prints on stderr when it listens beyond this machine without a key
     (None on a loopback address, or with a key)."""
-    from ..serve.server import _loopback
+    from ..serve.server import is_loopback
 
-    if _loopback(host) or api_key is not None:
+    if is_loopback(host) or api_key is not None:
         return None
     return (f"flowseam reward-serve: warning: listening on {host} without --api-key: anyone who "
             "can reach this port can use the reward")
@@ -297,7 +297,7 @@ def run(opts: RewardServeOptions) -> int:
                 f"{describe(exc)} while being built with reward_args {opts.reward_args}") from exc
         app = build_app(reward, opts.reward, max_batch=opts.max_batch, api_key=opts.api_key,
                         max_body_bytes=int(opts.max_body_mb * 2**20), origin=origin)
-        logging.getLogger("flowseam.rewards.server").setLevel(opts.log_level.upper())
+        logging.getLogger("flowseam.rewards.reward_server").setLevel(opts.log_level.upper())
         server = uvicorn.Server(uvicorn.Config(app, log_level=opts.log_level,
                                                timeout_graceful_shutdown=10))
         shown = f"[{host}]" if ":" in host else host
