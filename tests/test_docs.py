@@ -213,5 +213,25 @@ def test_the_architecture_page_names_every_core_module():
     names = sorted(p.stem for p in core.iterdir()
                    if (p.suffix == ".py" and not p.name.startswith("_")) or
                    (p.is_dir() and (p / "__init__.py").is_file()))
-    missing = [n for n in names if f"flowseam/{n}" not in text and f"flowseam.{n}" not in text]
+    missing = [n for n in names if f"flowseam/{n}" not in text and f"flowseam.{n}" not in text
+               and f"  {n}.py " not in text and f"  {n}/ " not in text]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def test_every_config_key_of_flowseams_methods_is_explained():
+    """``--show-config`` prints every key of a method's config; docs/training.md says what each
+    means (a key, a table, or a table's key named in code there)."""
+    from flowseam.training import registered_methods
+
+    page = re.sub(r"```.*?```", "", (ROOT / "docs" / "training.md").read_text(), flags=re.S)
+    code = " ".join(re.findall(r"`([^`]+)`", page))
+    named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code))
+    missing = {}
+    for name, method in registered_methods().items():
+        if not method.__module__.startswith("flowseam."):
+            continue
+        config = method.default_config()
+        keys = [k for k in config] + [sub for k in method.config_tables
+                                      for sub in (config.get(k) or {})]
+        missing[name] = sorted(k for k in keys if k not in named)
+    assert {k: v for k, v in missing.items() if v} == {}

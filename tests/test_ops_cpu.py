@@ -190,7 +190,8 @@ def test_sde_step_rejects_degenerate_noise_level(cpu, bad, match):
 def test_sde_step_at_noise_level_zero_is_the_euler_step_with_log_prob_zero(cpu, sigma, sigma_next):
     """Flow-GRPO evaluates with noise_level=0: the sample is the mean, which is then the Euler
     step (std_dev_t = 0 in eq. 9); no sigma_max is needed at sigma 1, the generator is not
-    drawn from, and the log-prob is defined as 0 (the contract in flowseam.ops)."""
+    drawn from, and the log-prob is defined as 0 (the contract:
+    flowseam.ops.reference.flow_sde_step)."""
     step = cpu.kernels.get(ops.FLOW_SDE_STEP)
     x, v = _rand(2, 4, 3, 3, seed=30), _rand(2, 4, 3, 3, seed=31)
     generator = torch.Generator().manual_seed(7)

@@ -1,29 +1,17 @@
 """flowseam: serve and RL-post-train flow-matching diffusion models through backend plugins.
 
-The public API is re-exported here (docs/architecture.md explains the vocabulary):
+The public API is re-exported here (``help(flowseam)`` lists it; docs/architecture.md explains
+the vocabulary): ``load`` (a diffusers-format checkpoint → a model whose ``generate`` serves it);
+``run_loop`` / ``rollout_loop`` (the denoising loop behind it, ``ExecutionProfile.SERVE`` or
+``ROLLOUT``, which records a ``BehaviorRecord`` per step); ``Platform`` and ``discover`` (the
+resolved backend choice and the plugins behind it); ``DiffusionParams``, ``GenerationRequest``,
+``TaskType`` (a request); ``hookimpl``, ``ops`` and the records a backend plugin returns; and the
+errors, all subclasses of ``FlowseamError``.
 
-* ``load(path, platform=None, verbose=False)``: a diffusers-format checkpoint → a model whose
-  ``generate(prompt, params=DiffusionParams(...))`` serves it;
-* ``run_loop(model, request, profile)`` / ``rollout_loop(...)``: the denoising loop behind it
-  (``ExecutionProfile.SERVE`` or ``ROLLOUT``, which captures a ``BehaviorRecord`` per step and
-  returns a ``LoopResult``);
-* ``Platform.detect()`` / ``Platform(name)``: the resolved backend choice (``platform.kernels``,
-  ``platform.build_component``, ``platform.explain()``); ``discover()`` the plugins behind it;
-* ``DiffusionParams``, ``GenerationRequest``, ``TaskType``: what a request asks for;
-* ``hookimpl``, ``BackendInfo``, ``Availability``, ``KernelRegistration``, ``ComponentSpec``,
-  ``ConformanceExpectations``, ``ops``: what a backend plugin implements and returns;
-* the errors, all subclasses of ``FlowseamError``.
-
-``import flowseam`` does not import torch: the names that need it (``load``, ``run_loop`` and the
-loop records) are imported on first access (PEP 562 ``__getattr__``; ``dir(flowseam)`` and
-``help(flowseam)`` list them). That keeps the plugin loader, ``flowseam backends`` and
-flowseam's pytest plugin (loaded by every pytest run in an environment where flowseam is
-installed) cheap to import.
-
-The modules stand in layers (seam below models below loops below training, serve and the CLI;
-``tests/test_layout.py`` states and checks them). This package is the public API over all of
-them: what it imports on ``import flowseam`` is the seam, and the names of the higher layers
-(``load``, the loops) come on first access.
+``import flowseam`` imports the seam layer, not torch: ``load``, the loops and their records come
+on first access (PEP 562 ``__getattr__``), which keeps the plugin loader, ``flowseam backends``
+and flowseam's pytest plugin (loaded by every pytest run where flowseam is installed) cheap to
+import. The layers: docs/architecture.md, "Rules the code keeps".
 """
 
 from typing import TYPE_CHECKING, Any

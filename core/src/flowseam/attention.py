@@ -1,27 +1,15 @@
 """Route every attention call of a diffusers transformer through the platform's ``attention`` op.
 
 diffusers' own attention processors (``WanAttnProcessor``, ``FluxAttnProcessor``,
-``LTX2AudioVideoAttnProcessor``, ...) do the projections, norms, rotary embeddings and output
-projections; with the ``native`` backend they end in one
-``torch.nn.functional.scaled_dot_product_attention`` call on ``(B, heads, seq, dim)`` tensors —
-exactly the layout of flowseam's ``attention`` contract. :func:`route_attention`
-installs, through diffusers' public ``set_attention_backend`` / ``set_attn_processor`` API, a
-small processor that runs the stock processor unchanged inside a
-``torch.overrides.TorchFunctionMode`` which sends that one SDPA call to the resolved kernel. No
-diffusers code is copied and nothing is monkeypatched; undo restores the stock processors.
-
-The kernel is resolved once, when the model is loaded (never per step).
-
-Under ``torch.compile`` (the accel backend compiles the DiT's repeated transformer blocks) the
-routed processor is excluded from tracing (``torch.compiler.disable``): each attention layer's
-processor (its projections, RoPE and the routed SDPA call) runs eagerly between the compiled
-graphs of its block, exactly as in an eager model, and the per-call check that the stock
-processor really called SDPA runs there too. Tracing the mode instead broke every block into
-many small graphs (dynamo cannot trace ``Tensor.unflatten``'s ``super()`` call under a
-``TorchFunctionMode``), and dynamo compiles the mode's ``__torch_function__`` as a frame of its
-own, where the call counter would be traced away or guarded on. A compile-friendly route into
-the graphs needs a public diffusers hook for custom attention backends, which diffusers 0.42
-does not have (its backend registry is private).
+``LTX2AudioVideoAttnProcessor``, ...) end, with the ``native`` backend, in one
+``torch.nn.functional.scaled_dot_product_attention`` call on ``(B, heads, seq, dim)`` tensors:
+exactly the layout of flowseam's ``attention`` contract. :func:`route_attention` installs,
+through diffusers' public ``set_attention_backend`` / ``set_attn_processor`` API, a small
+processor that runs the stock processor unchanged inside a ``torch.overrides.TorchFunctionMode``
+which sends that one SDPA call to the kernel resolved when the model is loaded (never per step).
+No diffusers code is copied and nothing is monkeypatched; undo restores the stock processors.
+Under ``torch.compile`` the routed processor runs eagerly between the compiled graphs (why:
+:func:`_routed_class`).
 """
 
 from __future__ import annotations
@@ -106,8 +94,19 @@ def compiling() -> bool:
 @functools.cache
 def _routed_class(inner_cls: type, untraced: bool) -> type:
     """A :class:`RoutedAttnProcessor` subclass whose ``__call__`` signature is ``inner_cls``'s;
-    with ``untraced``, excluded from torch.compile's tracing (``torch.compiler.disable``: eager
-    between a compiled block's graphs, see the module docstring)."""
+    with ``untraced``, excluded from torch.compile's tracing (``torch.compiler.disable``).
+
+    Under ``torch.compile`` (the accel backend compiles the DiT's repeated transformer blocks)
+    each attention layer's processor (its projections, RoPE and the routed SDPA call) then runs
+    eagerly between the compiled graphs of its block, exactly as in an eager model, and the
+    per-call check that the stock processor really called SDPA runs there too. Tracing the mode
+    instead broke every block into many small graphs (dynamo cannot trace
+    ``Tensor.unflatten``'s ``super()`` call under a ``TorchFunctionMode``), and dynamo compiles
+    the mode's ``__torch_function__`` as a frame of its own, where the call counter would be
+    traced away or guarded on. A compile-friendly route into the graphs needs a public diffusers
+    hook for custom attention backends, which diffusers 0.42 does not have (its backend registry
+    is private).
+    """
     def __call__(self, *args, **kwargs):
         return RoutedAttnProcessor.__call__(self, *args, **kwargs)
 

@@ -2,28 +2,15 @@
 
 A causal loop (:mod:`flowseam.loops.causal`) drives the real diffusers ``WanTransformer3DModel``
 one chunk of latent frames at a time (Self-Forcing, Huang et al. 2025; CausVid, Yin et al.
-2025). :func:`route_causal_attention` installs, through diffusers' public
-``set_attn_processor``, a processor on every *self*-attention (``attn1``) that runs diffusers'
-own ``WanAttnProcessor`` unchanged (projections, QK norms, RoPE, output projection) and sends its
-one ``scaled_dot_product_attention`` call to the platform:
-
-* outside a chunk: the ``attention`` op, as for every other model;
-* inside :meth:`CausalAttention.chunk`: the ``cached_attention`` op, the chunk's queries over
-  the cached keys/values of the earlier chunks plus the chunk's own; RoPE is given the chunk's
-  frame positions (offset by its start frame) instead of positions from 0; with ``write=True``
-  (the pass of the clean chunk at t = 0) the chunk's keys and values are appended to the cache;
-* inside :meth:`CausalAttention.masked`: the ``attention`` op with an explicit mask (the full
-  recompute of a whole prefix, which the KV-cached rollout must equal).
-
-Cross-attention (``attn2``) keeps the plain route. The kernels are resolved once, when the model
-is loaded. The cache stores keys after RoPE (as Self-Forcing's ``CausalWanSelfAttention`` does),
-so a cached frame keeps the position it was generated at.
-
-Rolling window (Self-Forcing's ``local_attn_size`` and ``sink_size``, in latent frames): a chunk
-starting at frame ``s`` with ``n`` frames attends to the frames ``f < s + n`` with ``f < sink``
-(the attention sink) or ``f >= s + n - (local_attn_size - sink)`` (the most recent frames,
-itself included); :meth:`KVCache.trim` drops everything else, so memory stays flat as the video
-grows. The same rule gives the mask of the full recompute (:func:`block_causal_mask`).
+2025). :func:`route_causal_attention` installs on every self-attention (``attn1``), through
+diffusers' public ``set_attn_processor``, a processor that runs diffusers' own
+``WanAttnProcessor`` unchanged and sends its one SDPA call to the platform: the ``attention`` op
+outside a chunk; the ``cached_attention`` op inside :meth:`CausalAttention.chunk` (the chunk's
+queries over the earlier chunks' cached keys/values plus its own); ``attention`` with the
+block-causal mask inside :meth:`CausalAttention.masked` (the full recompute of a prefix, which
+the KV-cached rollout must equal). Cross-attention keeps the plain route; the kernels are
+resolved when the model is loaded. With a rolling window (:class:`Window`) the cache keeps only
+what the next chunk may see, so memory stays flat as the video grows.
 """
 
 from __future__ import annotations
@@ -41,7 +28,13 @@ from .errors import InvalidInputError
 
 @dataclass(frozen=True)
 class Window:
-    """Which earlier frames a chunk sees.
+    """Which earlier frames a chunk sees: Self-Forcing's rolling window (``local_attn_size`` and
+    ``sink_size``, in latent frames).
+
+    A chunk starting at frame ``s`` with ``n`` frames attends to the frames ``f < s + n`` with
+    ``f < sink_size`` (the attention sink) or ``f >= s + n - (local_attn_size - sink_size)``
+    (the most recent frames, itself included); :meth:`KVCache.trim` drops everything else, and
+    the same rule gives the mask of the full recompute (:func:`block_causal_mask`).
 
     :param local_attn_size: frames attended, the chunk itself included; None: every frame.
     :param sink_size: the first frames, always attended (with a window only).
@@ -117,7 +110,14 @@ class CausalAttention:
     def chunk(self, dit: Any, cache: KVCache, start: int, latents: torch.Tensor,
               write: bool) -> Iterator[None]:
         """Run ``dit`` on the chunk ``latents`` ``(B, C, n, H, W)`` starting at latent frame
-        ``start``, attending to ``cache``; with ``write`` its keys/values join the cache.
+        ``start``, attending to ``cache``; with ``write`` (the pass of the clean chunk at t = 0)
+        its keys/values join the cache.
+
+        Every self-attention uses the ``cached_attention`` op: the chunk's queries over the
+        cached keys/values of the earlier chunks plus the chunk's own. RoPE is given the chunk's
+        frame positions (offset by ``start``) instead of positions from 0, and the cache stores
+        keys after RoPE (as Self-Forcing's ``CausalWanSelfAttention`` does), so a cached frame
+        keeps the position it was generated at.
 
         :raises RuntimeError: if the chunk is not where the cache ends (chunks run in order).
         """
@@ -248,7 +248,7 @@ def block_causal_mask(chunks: list[tuple[int, int]], tokens_per_frame: int,
     """The mask of a full recompute over the chunks ``[(start, frames), ...]`` (in order, from
     frame 0): ``(L, L)`` bool, True where a query token may attend a key token — a key frame
     of an earlier chunk or of the query's own chunk, within the window. Equal to what the KV
-    cache holds for each chunk (see the module docstring)."""
+    cache holds for each chunk (the rule of :class:`Window`)."""
     frame_end = []
     for start, n in chunks:
         frame_end += [start + n] * n

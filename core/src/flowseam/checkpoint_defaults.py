@@ -3,23 +3,13 @@
 diffusers' format has no place for how a model is meant to be sampled (its size, step count,
 text length, guidance), so a card's defaults — FLUX.1-dev's 1024×1024 and 512 text tokens — would
 apply to every checkpoint of that architecture, including a 32×32 one trained on 32-token
-prompts. A checkpoint states its own in ``flowseam.json``::
-
-    {
-      "serve": {"num_steps": 20, "height": 32, "width": 32, "max_sequence_length": 32},
-      "trained": {"method": "flowgrpo", "steps": 10, "base_model": "/path/to/base"}
-    }
-
-``serve`` holds :class:`~flowseam.DiffusionParams` fields (:data:`SERVE_KEYS`); ``trained``
-(optional, informational) is written by a training run that exported the checkpoint. diffusers
-ignores the file; :func:`flowseam.load` reads it.
-
-Where a request leaves a parameter unset, it takes, in this order of precedence:
-
-1. the request itself (``DiffusionParams``, the ``flowseam generate`` flags);
-2. the checkpoint's serving defaults (this file's ``serve`` table);
-3. what the checkpoint's ``scheduler/scheduler_config.json`` says about the solver;
-4. the card's defaults (``ModelCard.defaults``).
+prompts. A checkpoint states its own in the file's ``serve`` table
+(:class:`~flowseam.DiffusionParams` fields, :data:`SERVE_KEYS`; the schema:
+:func:`check_checkpoint_defaults`); diffusers ignores the file, :func:`flowseam.load` reads it.
+A parameter a request leaves unset takes, in this order: the request itself, the checkpoint's
+``serve`` table, what the checkpoint's ``scheduler/scheduler_config.json`` says about the
+solver, the card's defaults (``ModelCard.defaults``). docs/models.md shows it from the user's
+side.
 """
 
 from __future__ import annotations
@@ -60,7 +50,15 @@ def _check_value(path: Path, key: str, value: Any) -> Any:
 
 
 def check_checkpoint_defaults(data: Any, path: str | Path = FILENAME) -> dict[str, Any]:
-    """Validate the parsed contents of a ``flowseam.json``.
+    """Validate the parsed contents of a ``flowseam.json``::
+
+        {
+          "serve": {"num_steps": 20, "height": 32, "width": 32, "max_sequence_length": 32},
+          "trained": {"method": "flowgrpo", "steps": 10, "base_model": "/path/to/base"}
+        }
+
+    ``serve`` holds :class:`~flowseam.DiffusionParams` fields (:data:`SERVE_KEYS`); ``trained``
+    (optional, informational) is written by a training run that exported the checkpoint.
 
     :returns: ``data`` with the ``serve`` numbers normalised (guidance and shift as floats).
     :raises FlowseamError: naming the file and the bad key or value, and what is allowed.

@@ -1,18 +1,12 @@
 """Reading input images and writing outputs (PNG images, MP4 (H.264) or GIF videos, WAV audio).
 
-Reading (:func:`read_image`) is the one place flowseam turns an image file into pixels: every
-PIL mode is converted to 8-bit RGB with its real values (16-bit greyscale is scaled, not clipped
-to white; palettes, CMYK and alpha go through PIL's conversions, CMYK through its ICC profile
-when it has one), EXIF orientation is applied (as diffusers' ``load_image`` does), and
-decompression bombs, truncated and unreadable files are refused, naming the file.
-
-Writing: every writer renders into a temporary file in the destination folder and renames it
-into place, so a failed or interrupted run (an exception, Ctrl-C, SIGTERM through the CLI's
-handler) leaves no partial output file; an output that already exists keeps its permission
-bits; a full disk is reported as "no space left on device", naming the path. A video with sound
-(LTX-2) is an MP4 with an H.264 video track and an AAC audio track (PyAV, whose wheels ship
-ffmpeg); a GIF cannot hold sound, so writing one drops the audio with a warning; ``.wav`` writes
-the sound alone (16-bit PCM).
+:func:`read_image` is the one place flowseam turns an image file into pixels: every PIL mode
+becomes 8-bit RGB with its real values, EXIF orientation is applied, and bad files (decompression
+bombs, truncated or unreadable ones) are refused, naming the file. Every writer renders into a
+temporary file in the destination folder and renames it into place (:func:`atomic_path`), so a
+failed or interrupted run leaves no partial output file. A video with sound (LTX-2) is an MP4
+with an H.264 video track and an AAC audio track; a GIF cannot hold sound, so writing one drops
+the audio with a warning.
 """
 
 from __future__ import annotations
@@ -69,7 +63,9 @@ def output_mode(path: str | os.PathLike) -> int:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` only on success.
 
-    The new file gets the mode of the file it replaces (or ``0o666 & ~umask`` for a new one).
+    Every writer goes through it, so a failed or interrupted run (an exception, Ctrl-C, SIGTERM
+    through the CLI's handler) leaves no partial output file. The new file gets the mode of the
+    file it replaces (or ``0o666 & ~umask`` for a new one).
 
     :raises FlowseamError: "no space left on device", naming ``path``, when the disk is full.
     """
@@ -324,9 +320,10 @@ class StreamingVideoWriter:
     that imageio-ffmpeg ships: every frame is its own fragment, flushed as soon as it is encoded,
     so a reader can play the frames written so far while later chunks are still being
     generated — all but the newest one, whose duration the MP4 muxer only learns from the frame
-    after it (the next chunk's first frame, or :meth:`close`). The file grows under a temporary name next to ``path``; :meth:`close` renames it
-    onto ``path``, and a failure (:meth:`abort`, or an exception inside ``with``) deletes it, so
-    nothing is ever left at ``path`` but a complete video.
+    after it (the next chunk's first frame, or :meth:`close`). The file grows under a temporary
+    name next to ``path``; :meth:`close` renames it onto ``path``, and a failure (:meth:`abort`,
+    or an exception inside ``with``) deletes it, so nothing is ever left at ``path`` but a
+    complete video.
 
     :param fps: frames per second (> 0).
     :raises ValueError: for a suffix other than ``.mp4``, or ``fps <= 0``.

@@ -3,22 +3,13 @@
 What ``flowseam.load(offload=..., vae_tiling=..., vae_slicing=...)`` and the commands'
 ``--offload``, ``--vae-tiling`` and ``--vae-slicing`` ask for, checked against the checkpoint and
 the platform before any weights load (:meth:`MemoryOptions.check_against`), then applied to the
-built model (:class:`Components`, :func:`offload_model`). The peer options they mirror:
-
-* ``offload="model"``: diffusers' ``pipe.enable_model_cpu_offload()`` (FastVideo's
-  ``--dit-cpu-offload``): every component lives in CPU memory and is moved to the accelerator
-  for its own forward, then back when the next one runs (accelerate's ``cpu_offload_with_hook``
-  chained in the order a request runs them: text encoders, image encoder, DiT experts, VAE).
-  Needs an accelerator; on a platform whose components are all built on the CPU there is
-  nothing to offload to, and it is refused.
-* ``offload="text_encoder"``: the text encoders are freed once a request's prompts are encoded
-  (a CPU host's way to give the denoise and the decode the text encoder's memory: a real Wan
-  text encoder, umT5-XXL, is 22.7 GB in float32). A later prompt that misses the prompt cache
-  builds them again through the platform (the same backend, the same dtype).
-* ``vae_tiling``: diffusers' ``vae.enable_tiling()`` (its own tiled decode and encode, with
-  blended overlaps; a dict passes its tile sizes); ``vae_slicing``: ``vae.enable_slicing()`` (one
-  sample of a batch at a time). The causal loop decodes chunk by chunk through the VAE's causal
-  cache, which tiling cannot stream: refused there.
+built model (:class:`Components`, :func:`offload_model`). Each is the mechanism diffusers users
+know: ``offload="model"`` is ``pipe.enable_model_cpu_offload()`` (accelerate's
+``cpu_offload_with_hook`` chained in the order a request runs the components), ``vae_tiling``
+and ``vae_slicing`` the VAE's ``enable_tiling()`` and ``enable_slicing()``;
+``offload="text_encoder"`` frees the text encoders once a request's prompts are encoded, and a
+later prompt the cache misses builds them again through the platform. docs/memory.md says what
+each saves and when each is refused (no accelerator to offload to; tiling in the causal loop).
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
 """One generation across several processes: Ulysses sequence parallelism and CFG parallelism.
 
 ``Parallel(sp=N, cfg=True)`` asks for ``N`` ranks per sequence and, with ``cfg``, two such
-groups, one per CFG branch (``2 * N`` ranks in all). Rank ``r`` of the world is CFG branch
-``r // N`` (0: unconditional, 1: conditional) and sequence shard ``r % N``.
-
-**Sequence parallelism** (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509; the split
-points of diffusers' ``_cp_plan`` for the same classes): a card declares a
-:class:`SequenceSplit` — where its DiT's token sequence is split (and the rotary embedding with
-it, so every op that depends on position sees global positions) and where the DiT's output is
-gathered. Between the two points every rank holds ``1/N`` of the tokens; the card's
-self-attention modules call the platform's ``sequence_parallel_attention`` op (the cpu backend's
-is the Ulysses all-to-all around the platform's ``attention``; a backend may register its own,
-e.g. ring attention), and everything else — cross-attention to the text, the MLPs, the norms —
-runs on the local tokens. Nothing of diffusers is patched: the split and the gather are torch
-forward hooks, the attention goes through :func:`flowseam.attention.route_attention`.
-
-**CFG parallelism**: the unconditional and the conditional pass run on different ranks, each a
-batch of ``B``; their velocities are exchanged (one all-gather in the two-rank CFG group) and
-combined before the solver step, which every rank then runs on the same full latents.
-
-What is gathered each step is the DiT's output, the velocity (the latents' size); the loop's
-latents, its solver state, noise, log-probs and BehaviorRecords stay those of one process on every
-rank, so a rollout records exactly what one process would, and a trainer's update (which runs
-each sample's full sequence on one rank) recomputes it. Sharding the solver too would save that
-gather — ``16 sp / (layers dim)`` of the all-to-all traffic of a DiT forward: 0.06 % for
-Wan2.1-14B on 8 ranks (``docs/scaling.md``) — at the cost of a distributed reduction inside the SDE
-step's log-prob and sharded noise draws; flowseam does not.
-
-Without gradients only: a split forward that requires grad is refused (``ValueError``).
+groups, one per CFG branch (``2 * N`` ranks in all): rank ``r`` is CFG branch ``r // N`` (0:
+unconditional, 1: conditional) and sequence shard ``r % N``. A card declares where its DiT's token
+sequence is split and gathered (:class:`SequenceSplit`: diffusers' ``_cp_plan`` points; Ulysses:
+Jacobs et al. 2023, arXiv:2309.14509); in between, the self-attention calls the platform's
+``sequence_parallel_attention`` op and everything else runs on the local tokens. The split and
+the gather are torch forward hooks: nothing of diffusers is patched. CFG branches exchange their
+velocities before the solver step. Key decision: only the DiT's output is gathered; the loop's
+latents, solver state, noise, log-probs and BehaviorRecords stay whole on every rank, so a
+rollout records exactly what one process would. Forward only: a split forward that requires
+grad is refused (``ValueError``). docs/scaling.md has the design, its costs and what is refused.
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """A prompt refiner: a causal language model that rewrites a user's prompt before a generator
 renders it, sampled so that RL can recompute every token's log-prob exactly.
 
-The language model is any transformers ``AutoModelForCausalLM`` with its ``AutoTokenizer``, saved
-with ``save_pretrained`` in one directory; both are built through ``platform.build_component``
-(kinds ``"language_model"`` and ``"tokenizer"``), so a backend may place the LM and
-``platform.explain()`` shows where it landed. The ``unified_rl`` training method trains it
-together with the generator (:mod:`flowseam.training.unified_rl`).
-
-Sampling (:meth:`PromptRefiner.sample`) and the log-prob recompute (:meth:`PromptRefiner.
-token_log_probs`) read one and the same token buffer:
-
-* the LM input is ``template.format(request=prompt)``, tokenized without special tokens added
-  and **left-padded** to the batch's longest (``attention_mask`` 0 on the padding);
-* ``max_new_tokens`` completion slots follow; ``position_ids = cumsum(attention_mask) - 1``
-  (clamped at 0: the padding takes position 0), as transformers' ``generate`` computes them;
-  ``token_type_ids`` are never passed (a GPT-2 would add their embedding);
-* the token at slot ``t`` is drawn from ``softmax(warp(logits / T))`` (``warp``: transformers'
-  ``TopKLogitsWarper`` then ``TopPLogitsWarper``), each row with its own ``torch.Generator``;
-  its **behaviour log-prob** is ``log_softmax(logits / T)[token]`` — before the top-k/top-p
-  truncation — and is stored in the rollout;
-* a row ends at the tokenizer's EOS (which belongs to the completion); later slots hold the pad
-  token and are masked out.
-
-Each sampling step runs the LM over the whole fixed-shape buffer (no KV cache): the logits of
-slot ``t`` depend only on the tokens before it (causal attention), and the recompute runs the
-same forward on the same tensors, so on the first PPO epoch the recomputed log-probs equal the
-stored ones bit for bit (C2 for tokens). The price is ``max_new_tokens`` forwards of the whole
-buffer instead of one token each — the right trade for the refiners this targets (short prompts,
-completions of tens of tokens); a KV cache gives logits that differ from a full forward in the
-last bits (measured 5e-7 in log-prob on a 2-layer GPT-2), which biases the PPO ratio.
+The LM is any transformers ``AutoModelForCausalLM`` with its ``AutoTokenizer``, saved with
+``save_pretrained`` in one directory and built through ``platform.build_component`` (kinds
+``"language_model"`` and ``"tokenizer"``: a backend may place it, ``platform.explain()`` shows
+where); ``unified_rl`` trains it with the generator (:mod:`flowseam.training.unified_rl`).
+Key decision: no KV cache. Each sampling step runs the LM over the whole fixed-shape token buffer
+that :meth:`PromptRefiner.token_log_probs` later reads with the same forward, so on the first PPO
+epoch the recomputed log-probs equal the stored ones bit for bit (C2 for tokens); a KV cache's
+logits differ from a full forward in the last bits, which biases the PPO ratio. The price,
+``max_new_tokens`` forwards of the whole buffer, suits short prompts and completions of tens of
+tokens. :meth:`PromptRefiner.sample` states the sampling contract.
 """
 
 from __future__ import annotations
@@ -127,7 +109,7 @@ class RefinerRollout:
 
 
 class PromptRefiner:
-    """A causal LM that rewrites prompts (see the module docstring for the sampling contract).
+    """A causal LM that rewrites prompts (the sampling contract: :meth:`sample`).
 
     Built with :meth:`load`. It is also what a :class:`~flowseam.training.weight_sync.
     WeightSyncPlan` hands trained weights to: ``components["lm"]`` is the LM, ``versions`` its
@@ -250,6 +232,22 @@ class PromptRefiner:
                sampling: RefinerSampling | None = None) -> RefinerRollout:
         """Sample one rewrite per prompt (row ``b`` from ``torch.Generator().manual_seed(seeds[b])``)
         and capture the behaviour log-prob of every sampled token.
+
+        The contract, which :meth:`token_log_probs` reads back on the same token buffer:
+
+        * the LM input is ``template.format(request=prompt)``, tokenized without special tokens
+          added and **left-padded** to the batch's longest (``attention_mask`` 0 on the padding);
+        * ``max_new_tokens`` completion slots follow; ``position_ids = cumsum(attention_mask) -
+          1`` (clamped at 0: the padding takes position 0), as transformers' ``generate``
+          computes them; ``token_type_ids`` are never passed (a GPT-2 would add their embedding);
+        * the token at slot ``t`` is drawn from ``softmax(warp(logits / T))`` (``warp``:
+          transformers' ``TopKLogitsWarper`` then ``TopPLogitsWarper``), each row with its own
+          ``torch.Generator``; its **behaviour log-prob** is ``log_softmax(logits / T)[token]``,
+          before the top-k/top-p truncation, and is stored in the rollout;
+        * a row ends at the tokenizer's EOS (which belongs to the completion); later slots hold
+          the pad token and are masked out;
+        * each step runs the LM over the whole buffer (no KV cache: module docstring); the logits
+          of slot ``t`` depend only on the tokens before it (causal attention).
 
         :param prompts: ``B`` user prompts.
         :param seeds: ``B`` seeds.

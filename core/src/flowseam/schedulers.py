@@ -1,80 +1,16 @@
 """Reading a checkpoint's scheduler: which solver op runs, on which sigma schedule, and where
 every setting came from.
 
-A diffusers checkpoint keeps its sampler in ``scheduler/scheduler_config.json``. flowseam serves
-what that file says; :func:`resolve_solver` turns it into a :class:`SolverConfig` when a model is
-loaded, and every setting carries its **source**:
-
-``checkpoint``
-    the key is in ``scheduler_config.json`` (the default for everything the file says);
-``request``
-    a :class:`~flowseam.request.DiffusionParams` field the user set overrides its own setting
-    only: ``flow_shift`` sets ``shift`` (FlowMatchEuler) or ``flow_shift`` (UniPC) and turns
-    dynamic shifting off; fields left ``None`` change nothing;
-``flowseam.json``
-    the checkpoint's own serving defaults (:mod:`flowseam.defaults`): a ``flow_shift`` there
-    is applied at load like a request's, below a request's own;
-``card default``
-    the model card's value for a key the checkpoint leaves out (or, with no scheduler folder at
-    all, the card's scheduler class); never over a value the checkpoint gives;
-``diffusers default``
-    the scheduler class's own default for anything else (what diffusers would use);
-``ignored``
-    an option flowseam does not implement that the user asked to ignore
-    (``flowseam.load(..., ignore_scheduler_options=[...])``, CLI ``--ignore-scheduler-option``):
-    it is replaced by the class default, with a warning.
-
-Which solver runs (picked once per loop run, before the first step, from
-:attr:`SolverConfig.op`):
-
-=================================  ==========================  =================================
-scheduler class                    ops                         implemented options
-=================================  ==========================  =================================
-``FlowMatchEulerDiscreteScheduler`` ``flow_match_step``         ``shift``, ``use_dynamic_shifting``
-                                   (with                       (+ ``base_shift``, ``max_shift``,
-                                   ``stochastic_sampling``:    ``base_image_seq_len``,
-                                   ``flow_match_step`` to 0,   ``max_image_seq_len``),
-                                   then ``flow_renoise``)
-                                                               ``shift_terminal``,
-                                                               ``use_karras_sigmas`` /
-                                                               ``use_exponential_sigmas`` /
-                                                               ``use_beta_sigmas``,
-                                                               ``time_shift_type``,
-                                                               ``stochastic_sampling``,
-                                                               ``num_train_timesteps``
-``UniPCMultistepScheduler``        ``unipc_step``              ``use_flow_sigmas=True`` with
-                                                               ``prediction_type=
-                                                               "flow_prediction"``,
-                                                               ``flow_shift``, ``solver_order``
-                                                               1-3, ``predict_x0=True``,
-                                                               ``solver_type`` bh1/bh2,
-                                                               ``lower_order_final``,
-                                                               ``disable_corrector``,
-                                                               ``final_sigmas_type``,
-                                                               ``shift_terminal``,
-                                                               ``use_karras_sigmas``,
-                                                               ``use_dynamic_shifting``
-                                                               (+ ``time_shift_type``),
-                                                               ``num_train_timesteps``
-=================================  ==========================  =================================
-
-The sigma schedule and the DiT's timesteps are computed by the diffusers scheduler class itself
-(``set_timesteps``, called the way the card's diffusers pipeline calls it), so they are
-diffusers' own; the steps run through ``platform.kernels``. UniPC's beta-schedule options
-(``beta_start``, ``beta_end``, ``beta_schedule``, ``trained_betas``, ``timestep_spacing``,
-``steps_offset``, ``rescale_betas_zero_snr``) have no effect with ``use_flow_sigmas=True``, in
-diffusers as here; they are read and not shown.
-
-The scheduler class is the one ``model_index.json`` names (diffusers loads that class and hands
-it ``scheduler_config.json``); the file's ``_class_name`` must agree with it.
-
-Refused by name (:class:`~flowseam.errors.FlowseamError`, before any model weights load): an
-unknown scheduler class, ``model_index.json`` and ``scheduler_config.json`` naming different
-classes, a key the class does not have, ``invert_sigmas=True``, UniPC without
-flow sigmas or flow prediction, ``predict_x0=False``, ``thresholding``, ``solver_p``, orders above
-3, UniPC's exponential/beta sigmas (VP sigmas in diffusers 0.42, not flow sigmas), dynamic
-shifting on a pipeline that passes no ``mu`` (Wan), and ``lower_order_final=False`` with a final
-sigma of 0 and an order >= 2 (diffusers divides by zero there).
+A diffusers checkpoint keeps its sampler in ``scheduler/scheduler_config.json`` (of the class
+``model_index.json`` names; the file's ``_class_name`` must agree). flowseam serves what that file
+says: :func:`resolve_solver` turns it into a :class:`SolverConfig` when a model is loaded, every
+setting with its source (checkpoint, request, ``flowseam.json``, card default, diffusers default,
+ignored). The sigma schedule and the DiT's timesteps are computed by the diffusers class itself
+(``set_timesteps``, called as the card's pipeline calls it), so they are diffusers' own; only the
+steps run through ``platform.kernels`` (:attr:`SolverConfig.ops`, picked once per loop run).
+Options flowseam does not implement are refused by name before any weights load, unless the user
+asks to ignore them. docs/schedulers.md lists the implemented options of each class and the
+refusals.
 """
 
 from __future__ import annotations
@@ -156,12 +92,28 @@ _NO_EFFECT = {
 @dataclass(frozen=True)
 class SolverConfig:
     """The resolved solver of one model: the diffusers scheduler class that computes the sigma
-    schedule, the op that steps it, and where each setting came from (see the module docstring).
+    schedule, the op that steps it, and where each setting came from (docs/schedulers.md).
 
     :ivar scheduler_class: ``"FlowMatchEulerDiscreteScheduler"`` or ``"UniPCMultistepScheduler"``.
     :ivar config: every constructor argument of that class, resolved (what ``from_config`` gets).
-    :ivar sources: key → ``"checkpoint"``, ``"request"``, ``"card default"``,
-        ``"diffusers default"`` or ``"ignored"``; ``"_class_name"`` for the class itself.
+    :ivar sources: key → where its value came from; ``"_class_name"`` for the class itself:
+
+        * ``"checkpoint"``: the key is in ``scheduler_config.json`` (the default for everything
+          the file says);
+        * ``"request"``: a :class:`~flowseam.request.DiffusionParams` field the user set
+          overrides its own setting only: ``flow_shift`` sets ``shift`` (FlowMatchEuler) or
+          ``flow_shift`` (UniPC) and turns dynamic shifting off; fields left ``None`` change
+          nothing (:meth:`for_request`);
+        * ``"flowseam.json"``: the checkpoint's own serving defaults (:mod:`flowseam.defaults`):
+          a ``flow_shift`` there is applied at load like a request's, below a request's own;
+        * ``"card default"``: the model card's value for a key the checkpoint leaves out (or,
+          with no scheduler folder at all, the card's scheduler class); never over a value the
+          checkpoint gives;
+        * ``"diffusers default"``: the class's own default for anything else (what diffusers
+          would use);
+        * ``"ignored"``: an option flowseam does not implement that the user asked to ignore
+          (``flowseam.load(..., ignore_scheduler_options=[...])``, CLI
+          ``--ignore-scheduler-option``): replaced by the class default, with a warning.
     :ivar ignored: the options the user asked to ignore, as ``"key=value"``.
     :ivar file: where the settings were read (for messages).
     """
@@ -207,7 +159,8 @@ class SolverConfig:
         return self.sources.get(key, DIFFUSERS_DEFAULT)
 
     def unipc_order(self, index: int, num_steps: int) -> int:
-        """The order of UniPC's step ``index`` of ``num_steps`` (:func:`flowseam.ops.unipc_order`)."""
+        """The order of UniPC's step ``index`` of ``num_steps``
+        (:func:`flowseam.ops.unipc_order`)."""
         return ops.unipc_order(index, num_steps, int(self.config["solver_order"]),
                                bool(self.config["lower_order_final"]))
 
@@ -322,8 +275,8 @@ def resolve_solver(raw: Mapping[str, Any] | None, *, card: str, default_class: s
                    card_defaults: Mapping[str, Mapping[str, Any]], passes_mu: bool,
                    file: str = "scheduler/scheduler_config.json",
                    ignore: Iterable[str] = (), index_class: str | None = None) -> SolverConfig:
-    """Read a checkpoint's scheduler config into a :class:`SolverConfig` (rules and sources in
-    the module docstring).
+    """Read a checkpoint's scheduler config into a :class:`SolverConfig` (the sources of its
+    settings: :attr:`SolverConfig.sources`; the implemented options: docs/schedulers.md).
 
     :param raw: the parsed ``scheduler_config.json``, or None when the checkpoint has no
         scheduler folder (then the card's scheduler class and defaults apply).
@@ -337,7 +290,14 @@ def resolve_solver(raw: Mapping[str, Any] | None, *, card: str, default_class: s
         (FluxPipeline does, WanPipeline does not): dynamic shifting needs it.
     :param ignore: option names (``scheduler_config.json`` keys, or ``"_class_name"``) to ignore
         with a warning instead of refusing them.
-    :raises FlowseamError: naming every unimplemented option of the file and what to do.
+    :raises FlowseamError: naming every unimplemented option of the file and what to do: an
+        unknown scheduler class, ``model_index.json`` and ``scheduler_config.json`` naming
+        different classes, a key the class does not have, ``invert_sigmas=True``, UniPC without
+        flow sigmas or flow prediction, ``predict_x0=False``, ``thresholding``, ``solver_p``,
+        orders above 3, UniPC's exponential/beta sigmas (VP sigmas in diffusers 0.42, not flow
+        sigmas), dynamic shifting on a pipeline that passes no ``mu`` (Wan), and
+        ``lower_order_final=False`` with a final sigma of 0 and an order >= 2 (diffusers divides
+        by zero there).
     """
     import diffusers
 

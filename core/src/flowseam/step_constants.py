@@ -1,35 +1,14 @@
 """Reuse, across the steps of one denoising loop, what a DiT computes from the text alone.
 
-A DiT conditioned on text recomputes, at every step, values that depend only on the prompt
-embeddings: Wan's text embedder (two linears and a GELU on every text token) and, in every
-block, the cross-attention keys and values (``attn2.to_k``, ``attn2.to_v``, ``attn2.norm_k``).
-diffusers' pipelines recompute them at each step; with 512 text tokens and a small video they
-are a third of a step's work (the profile in docs/benchmarks.md).
-
-:func:`install` gives the named submodules of a DiT a forward that, **inside**
-:func:`reuse_across_steps` and with gradients off, returns its previous output when it is called
-again with the same input (and the same plain keyword arguments, e.g. ``device=``): the very same
-tensor object, unchanged since (``Tensor._version``), or a tensor of the same shape, strides (for
-an input kept compactly, see below: contiguous, as it was) and dtype with the same bits (compared
-as integers, a read of the input: far less than the matmul it saves). A hit is therefore exact —
-the same computation on the same bits — and the output is bit-identical to recomputing it. A
-different input, gradients on (a trainer's recompute), or no scope (every call outside the
-denoising loop) runs the module as usual. The outputs are dropped when the scope ends, so weights
-that change between loop runs (a LoRA switch, a weight sync) are never stale; weights do not
-change inside one loop run. The scope is per thread.
-
-The loop passes the same ``encoder_hidden_states`` tensor at every step (:meth:`flowseam.models.
-wan.WanT2V.branch_velocity` builds the CFG batch of text once per condition), so Wan T2V's
-inputs match by identity; Wan I2V's DiT concatenates image and text tokens anew at every step
-and its attention processor slices them apart again, so those inputs match by their bits.
-
-What is kept is stored compactly. Text is padded to a fixed length (Wan: 512 tokens) and the
-padding's rows are all alike (zeros in, one row out of every row-wise layer), so an output whose
-last rows along dimension -2 repeat one row bit for bit is kept as its rows up to the first repeat
-and expanded again at each hit: lossless, and for Wan2.1-1.3B's 30 blocks with CFG and a 20-token
-prompt 22 MiB instead of 540 MiB (3 tensors of 2 × 512 × 1536 floats a block). An expanded output
-is tagged with what it was expanded from, so the next module (``attn2.norm_k`` after
-``attn2.to_k``) matches it by that tag instead of reading it.
+A DiT conditioned on text recomputes at every step values that depend only on the prompt
+embeddings (Wan's text embedder; in every block the cross-attention keys and values,
+``attn2.to_k``, ``attn2.to_v``, ``attn2.norm_k``), as diffusers' pipelines do. :func:`install`
+gives the named submodules a forward that, inside :func:`reuse_across_steps` and with gradients
+off, returns its previous output for the same input (the same tensor unchanged, or the same
+bits): a hit is exact, the output bit-identical to recomputing it. Gradients on, or no scope,
+run the module as usual, and the outputs are dropped when the scope ends, so weights that change
+between loop runs are never stale. Outputs whose padding rows repeat are kept compactly
+(:class:`_Rows`). What this saves: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -47,7 +26,25 @@ _LOCAL = threading.local()
 @contextlib.contextmanager
 def reuse_across_steps() -> Iterator[None]:
     """Within this block (one loop run), installed submodules reuse their output for an input
-    they have seen (see the module docstring). Nested scopes share the outer one's outputs."""
+    they have seen. Nested scopes share the outer one's outputs; the scope is per thread.
+
+    An installed module called again with the same input (and the same plain keyword arguments,
+    e.g. ``device=``) returns its previous output when the input is the very same tensor
+    object, unchanged since (``Tensor._version``), or a tensor of the same shape, strides (for
+    an input kept compactly: contiguous, as it was) and dtype with the same bits (compared as
+    integers, a read of the input: far less than the matmul it saves). A hit is therefore exact
+    — the same computation on the same bits — and the output is bit-identical to recomputing
+    it. A different input, gradients on (a trainer's recompute), or no scope (every call outside
+    the denoising loop) runs the module as usual. The outputs are dropped when the scope ends,
+    so weights that change between loop runs (a LoRA switch, a weight sync) are never stale;
+    weights do not change inside one loop run.
+
+    The loop passes the same ``encoder_hidden_states`` tensor at every step
+    (:meth:`flowseam.models.wan.WanT2V.branch_velocity` builds the CFG batch of text once per
+    condition), so Wan T2V's inputs match by identity; Wan I2V's DiT concatenates image and
+    text tokens anew at every step and its attention processor slices them apart again, so
+    those inputs match by their bits.
+    """
     if getattr(_LOCAL, "outputs", None) is not None:
         yield
         return
@@ -60,7 +57,15 @@ def reuse_across_steps() -> Iterator[None]:
 
 class _Rows:
     """A tensor of shape ``(..., S, D)`` whose rows ``k - 1 .. S - 1`` (dimension -2) are one row
-    repeated, stored as its first ``k`` rows; see the module docstring."""
+    repeated, stored as its first ``k`` rows.
+
+    Text is padded to a fixed length (Wan: 512 tokens) and the padding's rows are all alike
+    (zeros in, one row out of every row-wise layer), so an output whose last rows repeat one row
+    bit for bit is kept as its rows up to the first repeat and expanded again at each hit:
+    lossless, and its size follows the prompt, not the padded length. An expanded output is
+    tagged with what it was expanded from, so the next module (``attn2.norm_k`` after
+    ``attn2.to_k``) matches it by that tag instead of reading it.
+    """
 
     __slots__ = ("head", "shape")
 

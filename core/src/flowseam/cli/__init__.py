@@ -1,16 +1,12 @@
 """The flowseam command line: the ``flowseam`` script and ``python -m flowseam``.
 
-One module per command: :mod:`.backends`, :mod:`.generate`, :mod:`.train`, :mod:`.serve`,
-:mod:`.reward_serve`, :mod:`.models` and :mod:`.demo`, each with ``add_parser(sub)`` (the command
-and its options) and ``cmd_<name>(args)`` (what it does; its exit status). Shared by them:
-:mod:`.parsing` (the parser classes, ``--version``) and :mod:`.boundary`, the error boundary every
-command runs inside: which errors are the user's to fix (exit 2, one line), a plugin's (exit 3,
-one line naming it) or a bug (exit 1, the traceback and how to report it). This module puts them
-together: :func:`main`.
-
-The command modules import nothing of this package but :mod:`.parsing`, and nothing below
-:mod:`flowseam` imports the command line. A test that replaces a command replaces its module's
-``cmd_<name>`` (``flowseam.cli.models.cmd_models``): the parser reads it from there.
+One module per command (:data:`COMMANDS`), each with ``add_parser(sub)`` (the command and its
+options) and ``cmd_<name>(args)`` (what it does; its exit status); :func:`main` puts them
+together and runs the command inside :mod:`.boundary`, the error boundary that decides what an
+error means for the user and the exit status. The command modules import nothing of this package
+but :mod:`.parsing` (the parser classes, ``--version``), and nothing below :mod:`flowseam`
+imports the command line. A test that replaces a command replaces its module's ``cmd_<name>``
+(``flowseam.cli.models.cmd_models``): the parser reads it from there.
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """The error boundary every command runs inside: what an exception that leaves a command means,
-what the user sees, and the exit status.
+what the user sees on stderr, and the exit status. The statuses are the command line's contract
+(each case and message in full: docs/safety.md, "Exit statuses"):
 
-- exit 3, ``flowseam: plugin fault: MESSAGE``: a :class:`~flowseam.errors.PluginFaultError`, a
-  plugin's kernel or component that failed at run time; the message names the plugin and how to
-  run without it.
-- exit 75 (``EX_TEMPFAIL``: try again later), ``flowseam: reward server unavailable: MESSAGE``:
-  a :class:`~flowseam.errors.RewardServerError`, a reward server that did not answer through
-  every retry; the message names the last complete checkpoint, from which rerunning the same
-  command resumes. A script tells it from bad input (2) by the status alone.
-- exit 2, ``flowseam: error: MESSAGE``: any other :class:`~flowseam.errors.FlowseamError`: bad
-  input (``InvalidInputError``; an ``InvalidParameterError`` names its field, which ``generate``
-  names as its option), a checkpoint that cannot be read or is unsafe or untrusted, a backend
-  that is unavailable, a config that does not validate; and a pydantic ``ValidationError`` (a
-  schema validated outside :func:`~flowseam.training.config.validate_config`), each error naming
-  its field.
-- exit 1, ``flowseam: out of memory: ...``: :func:`~flowseam.seam.faults.is_out_of_memory` (the
-  request's size, neither bad input nor a bug).
-- exit 1, the traceback, then ``flowseam: system error: ...``: an ``OSError`` (a full disk, a
-  permission).
-- exit 1, the traceback, then ``flowseam: internal error: ...`` saying that it is a bug and how to
-  report it: anything else, such as a ``ValueError``, ``TypeError`` or ``RuntimeError`` raised
-  inside torch or by a mistake in flowseam or a plugin.
-- exit 69 (:data:`~flowseam.launch.EXIT_PEER_LOST`), ``flowseam: rank R of N: another rank of
-  this job went away (...)``: a rank of a ``--nproc`` job whose collective failed because another
-  rank died; the launcher then names the rank that died, never this one.
-- exit 0, nothing: ``BrokenPipeError`` (the reader went away: ``flowseam backends | head``).
-- exit 143: SIGTERM (``finally`` blocks run, no temporary file is left); a rank of a
-  ``--nproc`` job says which rank it was, as torchrun stops every rank when one fails.
-
-A rank of a job that stops with one of the two statuses above leaves at once (``os._exit``, after
-its ``finally`` blocks and its message): tearing down a process group whose peer is gone would
-abort the process (``terminate called``, SIGABRT) and hide why it stopped.
-
-A ``ValueError`` is not bad input by itself: torch, numpy and Python raise it for their callers'
-mistakes, which are flowseam's (core raises :class:`~flowseam.errors.InvalidInputError`, a
-``ValueError`` too, for input it refuses). ``KeyboardInterrupt`` and ``SystemExit`` (argparse's
-usage errors, exit 2) pass through as Python handles them.
+- 0: success; also ``BrokenPipeError``, the reader went away (``flowseam backends | head``);
+- 1: out of memory (``flowseam: out of memory:``, one line), an ``OSError`` (the traceback, then
+  ``flowseam: system error:``) or a bug (the traceback, then ``flowseam: internal error:``);
+- 2, ``flowseam: error:``: any other :class:`~flowseam.errors.FlowseamError` (bad input, a
+  checkpoint that is unreadable, unsafe or untrusted, an unavailable backend, a config that does
+  not validate) or a pydantic ``ValidationError``, naming the field;
+- 3, ``flowseam: plugin fault:``: a :class:`~flowseam.errors.PluginFaultError`, naming the plugin;
+- 69 (:data:`~flowseam.launch.EXIT_PEER_LOST`): a ``--nproc`` rank whose peer went away;
+- 75 (:data:`EXIT_TEMPFAIL`), ``flowseam: reward server unavailable:``: retry, the run resumes;
+- 143 (:data:`EXIT_TERMINATED`): SIGTERM; ``finally`` blocks ran, no temporary file is left.
 """
 
 from __future__ import annotations
@@ -58,7 +34,10 @@ from ..seam.faults import is_out_of_memory
 #: failed at run time (the message names it), 1 for a bug or the machine (out of memory, the file
 #: system), 143 after SIGTERM.
 EXIT_USAGE, EXIT_PLUGIN_FAULT, EXIT_BUG, EXIT_TERMINATED = 2, 3, 1, 128 + signal.SIGTERM
-#: a service the run needs is down (a reward server): ``EX_TEMPFAIL`` of sysexits.h, "retry later"
+#: a service the run needs is down (a reward server that did not answer through every retry):
+#: ``EX_TEMPFAIL`` of sysexits.h, "retry later". The message names the last complete checkpoint,
+#: from which rerunning the same command resumes; a script tells it from bad input (2) by the
+#: status alone.
 EXIT_TEMPFAIL = 75
 
 #: Set by the SIGTERM handler. The ``SystemExit`` it raises unwinds the command, unless the
@@ -104,12 +83,17 @@ def is_lost_peer(exc: BaseException) -> bool:
 
 
 def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """``command(args)``'s exit status, or the exit status of the exception it raised (see the
-    table above), having told the user on stderr.
+    """``command(args)``'s exit status, or the exit status of the exception it raised
+    (:func:`report`; the list in the module docstring), having told the user on stderr.
 
     While the command runs, SIGTERM raises ``SystemExit(143)`` in the main thread, so that
     ``finally`` blocks run: an output being written, a checkpoint being saved, leave no temporary
     file behind (the default SIGTERM action would kill the process on the spot).
+    ``KeyboardInterrupt`` and ``SystemExit`` (argparse's usage errors, exit 2) pass through as
+    Python handles them. A rank of a ``--nproc`` job that stops with 69 or 143 leaves at once
+    (:func:`_leave`, after its ``finally`` blocks and its message): tearing down a process group
+    whose peer is gone would abort the process (``terminate called``, SIGABRT) and hide why it
+    stopped.
     """
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -156,7 +140,14 @@ def _leave(status: int) -> None:
 
 
 def report(exc: Exception) -> int:
-    """Tell the user what ``exc``, raised by a command, means (on stderr); its exit status."""
+    """Tell the user what ``exc``, raised by a command, means (on stderr); its exit status.
+
+    A ``ValueError`` is not bad input by itself: torch, numpy and Python raise it for their
+    callers' mistakes, which are flowseam's, so it is a bug (exit 1, with the traceback). Core
+    raises :class:`~flowseam.errors.InvalidInputError`, a ``ValueError`` too, for input it
+    refuses; as a :class:`~flowseam.errors.FlowseamError` it is exit 2, one line. An
+    ``InvalidParameterError`` names its field, which ``flowseam generate`` names as its option.
+    """
     if is_lost_peer(exc):  # a rank died: not a bug here; the launcher names the one that failed
         _say(f"{_rank()}: another rank of this job went away ({_first_line(_lost(exc))})")
         return EXIT_PEER_LOST

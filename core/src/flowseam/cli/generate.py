@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import media
 from ..errors import InvalidInputError
 from ..quiet import quiet_libraries
 from ..request import DiffusionParams
@@ -209,7 +210,6 @@ def _plan(args: argparse.Namespace) -> _Plan:
 
     :raises InvalidInputError: naming the option.
     """
-    from .. import media
     from ..loading import check_load_options
     from ..workflows import WORKFLOWS
 
@@ -235,8 +235,6 @@ def _plan(args: argparse.Namespace) -> _Plan:
 def _check_output(args: argparse.Namespace) -> str:
     """``--output``'s suffix, checked against ``--stream`` and ``--workflow``; ``--fps``."""
     from pathlib import Path
-
-    from .. import media
 
     suffix = Path(args.output).suffix.lower()
     if args.stream and (suffix != ".mp4" or args.workflow is not None):
@@ -326,8 +324,6 @@ def _run_workflow(args: argparse.Namespace, plan: _Plan) -> int:
 
 def _run_stream(args: argparse.Namespace, plan: _Plan) -> int:
     """``--stream``: a causal model's video written chunk by chunk as it is generated."""
-    from .. import media
-
     started = time.perf_counter()
     model = plan.load(args, 0)
     chunks = model.generate_stream(args.prompt, params=plan.params)  # refuses a non-causal model
@@ -363,8 +359,6 @@ def _write(args: argparse.Namespace, plan: _Plan, frames: Any, last: Any, models
     """Write the output atomically (``last``: the run whose sound and frame rate it takes) and
     print one line: what was written, then per model where its parts came from and the solver
     that ran."""
-    from .. import media
-
     if frames.shape[1] > 1 and plan.suffix in media.IMAGE_SUFFIXES:
         raise InvalidInputError(
             f"--output {args.output}: this request makes a {frames.shape[1]}-frame "
@@ -413,8 +407,6 @@ def _parallel(args: argparse.Namespace, stages: tuple, platforms: list) -> "Para
 
 def _check_sound(output: str, suffix: str, model) -> None:
     """A ``.wav`` output needs a model that makes sound (raised before generating)."""
-    from .. import media
-
     if suffix in media.AUDIO_SUFFIXES and not model.card.audio:
         raise InvalidInputError(
             f"--output {output}: {model.card.name} makes no sound; use .png, .mp4 "

@@ -1,5 +1,6 @@
 """``flowseam reward-serve``: serve an installed reward over HTTP (see
-:mod:`flowseam.rewards.reward_server`), for ``reward = "http://HOST:PORT/NAME"`` in a training config."""
+:mod:`flowseam.rewards.reward_server`), for ``reward = "http://HOST:PORT/NAME"`` in a training
+config."""
 
 from __future__ import annotations
 

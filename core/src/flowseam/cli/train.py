@@ -55,9 +55,10 @@ def show_config(name: str, method: type[TrainingMethod]) -> str:
         module_doc = inspect.getdoc(inspect.getmodule(method)) or inspect.getdoc(method) or ""
         return (f"# {name}: {method.summary()}\n# this method publishes no config keys "
                 f"(default_config() is empty); its documentation:\n\n{module_doc}\n")
+    where = ("docs/training.md, \"Config keys\"" if method.__module__.startswith("flowseam.")
+             else f"python -c \"import {method.__module__} as m; help(m)\"")
     head = f"{name}: {method.summary()}\nEvery key with its default; a commented key has none " \
-           "(required, or chosen at run time).\nSee the method's documentation for what each " \
-           f"means:\npython -c \"import {method.__module__} as m; help(m)\""
+           f"(required, or chosen at run time).\nWhat each key means: {where}"
     return as_toml(config, method.config_tables, head)
 
 

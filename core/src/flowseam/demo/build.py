@@ -1,33 +1,15 @@
 """Build the demo's models from their recipes, and find them again without retraining.
 
-The recipes come in worlds (:data:`WORLDS`): ``digits`` (``digits-t2i`` and ``digits-i2v``, the
-main job's two models, trained on real handwritten digits) and ``text`` (``text-t2i``, trained on
-short strings rendered in a real font, :mod:`flowseam.demo.text`).
-
-A recipe (``recipes/digits-t2i.toml``, ``recipes/digits-i2v.toml``; TOML read with
-:func:`flowseam.training.config.load_config`) names a card, the sizes of its real diffusers
-architecture (overrides for :func:`flowseam.testing.tiny.write_tiny_checkpoint`), how its VAE is
-trained and the config of the ``finetune`` method that trains its transformer. Building one:
-
-1. assemble the card's pipeline with random weights (``write_tiny_checkpoint``: the real
-   ``FluxPipeline`` / ``WanImageToVideoPipeline`` classes, saved with ``save_pretrained``);
-2. train its VAE on the recipe's data (:func:`train_vae`: reconstruction MSE plus a
-   small KL, AdamW), then set the latent statistics the pipeline normalises with (Flux's
-   ``shift_factor`` / ``scaling_factor``, Wan's per-channel ``latents_mean`` / ``latents_std``)
-   and save it in place (``save_pretrained``);
-3. train the transformer with the ``finetune`` method (flow matching) through the public API;
-4. save the pipeline directory (diffusers format, loadable with ``flowseam.load`` and
-   ``DiffusionPipeline.from_pretrained``), check it (:mod:`flowseam.demo.evaluate`) and record it
-   in the cache's ``manifest.json`` under the SHA-256 of the recipe's settings.
-
-The text and image encoders stay as ``write_tiny_checkpoint`` initialised them (frozen, random,
-seeded): distinct prompts still give distinct embeddings, which is all the DiT needs to learn.
-Everything is built on the ``cpu`` backend, in float32.
-
-:func:`ensure_models` finds each model by its recipe hash, in this order: the cache directory,
-then the weights shipped inside the package (``flowseam/demo/weights``), else it builds into the
-cache. The held-out split of :mod:`flowseam.demo.data` is never used here. :func:`ship` copies a
-built model into the shipped weights and records it in their manifest.
+A recipe (``recipes/<name>.toml``, read with :func:`flowseam.training.config.load_config`; the
+worlds and their recipes: :data:`WORLDS`) names a card, the sizes of its real diffusers
+architecture, how its VAE is trained and the ``finetune`` config of its transformer.
+:func:`build_model` assembles the card's real pipeline with random weights
+(:func:`flowseam.testing.tiny.write_tiny_checkpoint`), trains the VAE and then the transformer
+through the public API, checks the result (:mod:`flowseam.demo.evaluate`) and records it in the
+cache's ``manifest.json`` under the SHA-256 of the recipe's settings. :func:`ensure_models` finds
+each model by that hash (the cache, then the weights shipped in the package, else it builds);
+:func:`ship` copies a build into the shipped weights. The held-out split of
+:mod:`flowseam.demo.data` is never used here. For users: docs/demo.md.
 """
 
 from __future__ import annotations
@@ -251,6 +233,16 @@ def build_model(recipe: Recipe, cache_dir: str | os.PathLike, *, quick: bool = F
                 progress: bool = True, log: Callable[[str], None] = print) -> Path:
     """Build ``recipe`` into ``cache_dir/<name>`` (replaced atomically) and record it in the
     cache's manifest. Returns the model directory.
+
+    The stages, on the ``cpu`` backend in float32: (1) the card's pipeline with random weights
+    (``write_tiny_checkpoint``: the real ``FluxPipeline`` / ``WanImageToVideoPipeline`` classes,
+    saved with ``save_pretrained``); (2) its VAE trained on the recipe's data with the latent
+    statistics the pipeline normalises with (:func:`train_and_save_vae`); (3) the transformer
+    trained with the ``finetune`` method (flow matching); (4) the diffusers-format directory
+    (loadable with ``flowseam.load`` and ``DiffusionPipeline.from_pretrained``) checked and
+    recorded. The text and image encoders stay as ``write_tiny_checkpoint`` initialised them
+    (frozen, random, seeded): distinct prompts still give distinct embeddings, which is all the
+    DiT needs to learn.
 
     :raises FlowseamError: for a recipe naming an unknown card or data kind.
     """

@@ -48,7 +48,8 @@ def features(frame: np.ndarray, digit_px: int) -> np.ndarray:
 
 
 def digit_probabilities(frames: np.ndarray, digit_px: int) -> np.ndarray:
-    """``(N, H, W, 3)`` frames showing a digit about ``digit_px`` tall → ``(N, 10)`` probabilities."""
+    """``(N, H, W, 3)`` frames showing a digit about ``digit_px`` tall → ``(N, 10)``
+    probabilities."""
     return classifier().predict_proba(np.stack([features(f, digit_px) for f in frames]))
 
 

@@ -89,8 +89,9 @@ def t2i_example(image8: np.ndarray, size: int = 32, digit_size: int | None = Non
 
 def moving_clip(image8: np.ndarray, direction: str, frames: int = 9, size: int = 32,
                 digit_size: int = 16, step: int = 1) -> np.ndarray:
-    """``(frames, size, size, 3)`` float32: the digit sliding ``step`` px/frame towards ``direction``,
-    starting centred. Raises ValueError for an unknown direction or a digit that leaves the canvas."""
+    """``(frames, size, size, 3)`` float32: the digit sliding ``step`` px/frame towards
+    ``direction``, starting centred. Raises ValueError for an unknown direction or a digit that
+    leaves the canvas."""
     if direction not in DIRECTIONS:
         raise InvalidInputError(f"direction={direction!r}; allowed: {sorted(DIRECTIONS)}")
     dy, dx = DIRECTIONS[direction]

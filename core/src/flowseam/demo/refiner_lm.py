@@ -3,19 +3,11 @@
 (``"a handwritten digit seven moving left"``) — the LM side of the ``unified_rl`` demo
 (``bench/unified_rl_control.py``).
 
-* **Requests**: :data:`REQUEST_TEMPLATES` × the digit as a numeral or a number word × the four
-  directions (480 requests); a fixed seeded fifth of them is held out (:func:`request_split`):
-  neither pretraining nor RL ever sees those, the evaluation uses only them.
-* **Tokenizer**: word level (``tokenizers``' ``WordLevel`` with whitespace splitting) over the
-  grammar's words, ``<pad>``, ``<eos>``, ``<unk>`` and the separator ``=>``, wrapped as a
-  transformers ``PreTrainedTokenizerFast``.
-* **Model**: a GPT-2 (``GPT2LMHeadModel``, 2 layers, 2 heads, width 64, 32 positions, no
-  dropout) trained from scratch with the causal-LM loss by transformers' ``Trainer`` on
-  ``"<request> => <prompt><eos>"`` texts of the training requests. The supervision is **noisy**:
-  with probability ``noise`` the target names a random digit, and independently a random
-  direction, so the pretrained refiner samples the right prompt only part of the time (about
-  ``(1 - 0.9 noise)(1 - 0.75 noise)`` of its rewrites) — the headroom RL with the final-video
-  reward is meant to close.
+The requests come from a small grammar (:func:`requests`); a fixed seeded fifth of them is held
+out (:func:`request_split`): neither pretraining nor RL ever sees those, the evaluation uses only
+them. The refiner is a word-level GPT-2 trained from scratch (:func:`build_refiner`) on
+deliberately noisy (request, prompt) pairs (:func:`noisy_pairs`), so that it samples the right
+prompt only part of the time: the headroom RL with the final-video reward is meant to close.
 """
 
 from __future__ import annotations
@@ -44,7 +36,10 @@ SPECIAL = ("<pad>", "<eos>", "<unk>", "=>")
 
 
 def requests() -> list[tuple[str, int, str]]:
-    """Every request of the grammar: ``(request, digit, direction)``, in a fixed order."""
+    """Every request of the grammar: ``(request, digit, direction)``, in a fixed order.
+
+    :data:`REQUEST_TEMPLATES` × the digit as a numeral or a number word × the four directions
+    (480 requests)."""
     out = []
     for template in REQUEST_TEMPLATES:
         for digit in range(10):
@@ -69,7 +64,9 @@ def vocabulary() -> list[str]:
 
 
 def tokenizer():
-    """The word-level tokenizer (a ``PreTrainedTokenizerFast``)."""
+    """The word-level tokenizer: ``tokenizers``' ``WordLevel`` with whitespace splitting over
+    :func:`vocabulary` (the grammar's words, ``<pad>``, ``<eos>``, ``<unk>`` and the separator
+    ``=>``), wrapped as a transformers ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -82,7 +79,9 @@ def tokenizer():
 
 def noisy_pairs(n: int, noise: float, seed: int) -> list[tuple[str, str]]:
     """``n`` (request, target prompt) pairs drawn from the training requests; with probability
-    ``noise`` the target's digit is a random one, and independently its direction."""
+    ``noise`` the target's digit is a random one, and independently its direction. A refiner
+    trained on them samples the right prompt in about ``(1 - 0.9 noise)(1 - 0.75 noise)`` of its
+    rewrites (a random digit is right one time in ten, a random direction one in four)."""
     train, _ = request_split()
     rng = random.Random(seed)
     names = sorted(DIRECTIONS)
@@ -99,8 +98,12 @@ def noisy_pairs(n: int, noise: float, seed: int) -> list[tuple[str, str]]:
 
 def build_refiner(path: str | Path, steps: int = 400, noise: float = 0.5, seed: int = 0,
                   lr: float = 3e-3, batch_size: int = 32, verbose: bool = False) -> Path:
-    """Pretrain the digits refiner (see the module docstring) and save it, with its template and
-    sampling settings, into ``path`` (``flowseam.prompt_refiner.PromptRefiner.load`` reads it).
+    """Pretrain the digits refiner and save it, with its template and sampling settings, into
+    ``path`` (``flowseam.prompt_refiner.PromptRefiner.load`` reads it).
+
+    The model is a GPT-2 (``GPT2LMHeadModel``: 2 layers, 2 heads, width 64, 32 positions, no
+    dropout) trained from scratch with the causal-LM loss by transformers' ``Trainer`` on
+    ``"<request> => <prompt><eos>"`` texts of :func:`noisy_pairs`, with :func:`tokenizer`.
 
     :param steps: optimizer steps of the causal-LM loss (AdamW, linear decay, batch
         ``batch_size``).

@@ -1,17 +1,12 @@
 """``flowseam demo``: the main job end to end on real handwritten digits (the ``digits`` world;
 ``--world text`` runs :func:`flowseam.demo.text_run.run_text_demo` instead).
 
-1. print the backend table (as ``flowseam backends``);
-2. find the demo models by their recipe hash (the cache, then the weights shipped in the package)
-   or build them (:mod:`flowseam.demo.build`);
-3. run the built-in ``t2i-i2v`` workflow (:class:`flowseam.workflows.Workflow`) for the prompts:
-   a GIF and an MP4 per prompt and a PNG grid of every stage's frames;
-4. post-train both stages with the ``workflow_rl`` method on the ``digit_video`` reward, writing
-   its metrics (JSON lines) and a PNG plot of the reward against the step;
-5. print the mean final-video reward on held-out seeds before and after, the classifier's
-   accuracy on the generated digits, and write everything to ``summary.json``.
-
-Every file is written atomically (:mod:`flowseam.media`).
+:func:`run_demo` finds the demo's two models (:mod:`flowseam.demo.build`), runs the built-in
+``t2i-i2v`` workflow (:class:`flowseam.workflows.Workflow`) for the prompts, post-trains both of
+its stages with ``workflow_rl`` on one reward computed on the final video only (``digit_video``),
+and reports the mean final-video reward on held-out seeds before and after (:data:`RL_CONFIG`
+says why the RL settings are what they are). Every file is written atomically
+(:mod:`flowseam.media`); the outputs, for users: docs/demo.md.
 """
 
 from __future__ import annotations
@@ -95,10 +90,20 @@ def default_threads() -> int:
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     """Run the demo; returns the summary (also written to ``<output>/summary.json``).
 
+    1. print the backend table (as ``flowseam backends``);
+    2. find the demo models by their recipe hash (the cache, then the weights shipped in the
+       package) or build them (:mod:`flowseam.demo.build`);
+    3. run the ``t2i-i2v`` workflow for the prompts: a GIF and an MP4 per prompt and a PNG grid
+       of every stage's frames;
+    4. post-train both stages with the ``workflow_rl`` method on the ``digit_video`` reward,
+       writing its metrics (JSON lines) and a PNG plot of the reward against the step;
+    5. print the mean final-video reward on held-out seeds before and after, the classifier's
+       accuracy on the generated digits, and write everything to ``summary.json``.
+
     It runs on ``opts.threads`` (default :func:`default_threads`) torch threads, and as many
-    BLAS/OpenMP threads for numpy and scikit-learn (threadpoolctl; restored afterwards): the
-    reward's classifier with two OpenBLAS threads on a shared 2-core machine took 12 times the
-    CPU time of one (4.9 vs 0.4 s to fit)."""
+    BLAS/OpenMP threads for numpy and scikit-learn (threadpoolctl; restored afterwards): with
+    more OpenBLAS threads than free cores, fitting the reward's classifier takes many times the
+    CPU time of one thread."""
     import torch
     from threadpoolctl import threadpool_limits
 

@@ -1,21 +1,12 @@
 """Rendered text as text-to-image data: the demo's second world, scored by a real OCR model.
 
-Each example is a short string (1–4 characters) drawn in DejaVu Sans Bold (the font matplotlib
-ships, ``mpl-data/fonts/ttf/DejaVuSans-Bold.ttf``; no download) dark on light on a ``64 x 32``
-canvas, under the prompt ``a sign that says "42"``. The reward is the ``ocr`` reward plugin
-(PaddleOCR's PP-OCRv4 recogniser through rapidocr-onnxruntime), which reads the text between the
-prompt's double quotes as the target.
-
-The vocabulary (:data:`WORDS`) is fixed: 24 strings, from one character to four, numbers and
-upper-case words, every one of which the recogniser reads correctly in every augmentation the
-renderer draws (checked by the tests). Single characters the recogniser confuses with symbols
-(``"0"`` reads as ``"。"``, ``"X"`` as ``"×"``) are left out. Each example is an augmentation:
-the text's size, position and gray levels vary a little (:func:`render`), so the model learns a
-distribution of signs, not one image per prompt.
-
-The held-out evaluation uses the same prompts (the world has no other) and seeds the training
-never sampled: :data:`TRAIN_SEED_BASE` numbers the training renders, the demo's held-out seeds
-start at :data:`flowseam.demo.run.EVAL_SEED_BASE` and name noise, never a render.
+Each example is one of the short strings of :data:`WORDS` drawn in DejaVu Sans Bold (the font
+matplotlib ships; no download) dark on light on a ``64 x 32`` canvas, under the prompt ``a sign
+that says "42"``; its size, position and gray levels vary a little (:func:`render`), so the
+model learns a distribution of signs, not one image per prompt. The reward is the ``ocr`` reward
+plugin (PP-OCRv4's recogniser through rapidocr-onnxruntime), which reads the text between the
+prompt's double quotes as the target. The held-out evaluation uses the same prompts (the world
+has no other) with seeds the training never sampled. The world, for users: docs/demo.md.
 """
 
 from __future__ import annotations
@@ -27,7 +18,10 @@ import numpy as np
 
 from ..errors import InvalidInputError
 
-#: the world's strings: numbers and words of 1 to 4 characters (24; 3 + 6 + 9 + 6 by length)
+#: the world's strings: numbers and words of 1 to 4 characters (24; 3 + 6 + 9 + 6 by length),
+#: every one read correctly by the recogniser in every augmentation the renderer draws (the tests
+#: check it). Single characters it confuses with symbols (``"0"`` reads as ``"。"``, ``"X"`` as
+#: ``"×"``) are left out.
 WORDS = ("7", "5", "A",
          "42", "13", "99", "HI", "GO", "OK",
          "100", "365", "CAT", "DOG", "SUN", "BUS", "FOX", "MAP", "RED",
@@ -41,7 +35,8 @@ JITTER_PX = (2, 1)
 #: gray levels in [0, 255]: text within ``INK``, background within ``PAPER``
 INK = (0, 60)
 PAPER = (200, 255)
-#: the training renders are numbered from here (a render's seed fixes its augmentation)
+#: the training renders are numbered from here (a render's seed fixes its augmentation); the
+#: demo's held-out seeds (from :data:`flowseam.demo.run.EVAL_SEED_BASE`) name noise, never a render
 TRAIN_SEED_BASE = 0
 
 

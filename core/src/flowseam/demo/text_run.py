@@ -1,21 +1,12 @@
 """``flowseam demo --world text``: Flow-GRPO's text-rendering task on a tiny FLUX model.
 
-1. print the backend table (as ``flowseam backends``);
-2. find the ``text-t2i`` model by its recipe hash (the cache, then the shipped weights) or build
-   it (:mod:`flowseam.demo.build`; data: :mod:`flowseam.demo.text`);
-3. evaluate it on held-out seeds: every prompt (``a sign that says "42"``) once per seed, read by
-   the ``ocr`` reward plugin (PP-OCRv4's recogniser): the mean OCR reward and the exact-match
-   accuracy, on ``seed_sets`` disjoint sets of seeds;
-4. the **control**: the ``flowgrpo`` method with the ``constant`` reward, same config and steps.
-   Every group has zero spread, so every advantage is 0 and no weight moves (checked); its
-   evaluation on the same seed sets gives the spread (std) of the per-set means: the seed-to-seed
-   noise any gain must exceed;
-5. ``flowgrpo`` with the ``ocr`` reward (:data:`TEXT_RL_CONFIG`), then the same evaluation;
-6. print the figures and write ``summary.json``, ``samples_before.png`` / ``samples_after.png``
-   (one row per prompt, one column per held-out seed), ``reward.png`` (the reward curve) and the
-   post-trained model ``rl/model`` (diffusers format, LoRA merged).
-
-Every file is written atomically (:mod:`flowseam.media`).
+:func:`run_text_demo` finds the ``text-t2i`` model (:mod:`flowseam.demo.build`; data:
+:mod:`flowseam.demo.text`) and post-trains it with ``flowgrpo`` on the ``ocr`` reward
+(:data:`TEXT_RL_CONFIG`). A gain means something only against a control
+(:func:`compare_with_control`): the same run with the ``constant`` reward, whose advantages are
+all 0 so that no weight moves, evaluated on the same disjoint held-out seed sets, gives the
+seed-to-seed spread any gain must exceed. Every file is written atomically
+(:mod:`flowseam.media`); the outputs, for users: docs/demo.md.
 """
 
 from __future__ import annotations
@@ -179,11 +170,23 @@ def compare_with_control(model_path, words: list[str], steps: int, group: int, s
 
 
 def run_text_demo(opts) -> dict[str, Any]:
-    """The text world's demo (module docstring) with :class:`flowseam.demo.run.DemoOptions`;
-    returns the summary (also written to ``<output>/summary.json``). It runs on ``opts.threads``
-    (default :func:`flowseam.demo.run.default_threads`) torch threads, as many BLAS/OpenMP
-    threads (threadpoolctl; restored afterwards) and as many onnxruntime threads for the OCR
-    model, as the digits demo does."""
+    """The text world's demo with :class:`flowseam.demo.run.DemoOptions`; returns the summary
+    (also written to ``<output>/summary.json``).
+
+    1. print the backend table (as ``flowseam backends``);
+    2. find the ``text-t2i`` model by its recipe hash (the cache, then the shipped weights) or
+       build it;
+    3. the control and the ``flowgrpo`` run on the ``ocr`` reward, each evaluated on
+       ``seed_sets`` disjoint sets of held-out seeds, every prompt once per seed: the mean OCR
+       reward and the exact-match accuracy (:func:`compare_with_control`);
+    4. print the figures and write ``summary.json``, ``samples_before.png`` /
+       ``samples_after.png`` (one row per prompt, one column per held-out seed), ``reward.png``
+       (the reward curve) and the post-trained model ``rl/model`` (diffusers format, LoRA
+       merged).
+
+    It runs on ``opts.threads`` (default :func:`flowseam.demo.run.default_threads`) torch
+    threads, as many BLAS/OpenMP threads (threadpoolctl; restored afterwards) and as many
+    onnxruntime threads for the OCR model, as the digits demo does."""
     import torch
     from threadpoolctl import threadpool_limits
 

@@ -2,22 +2,13 @@
 
 Self-Forcing (Huang et al. 2025, ``pipeline/causal_inference.py``) and CausVid (Yin et al.
 2025): the video's latent frames are split into chunks (``chunk_frames``, default 3); each chunk
-is denoised with a few steps while attending to the keys/values of every earlier chunk; each
-step predicts the clean chunk ``x0`` and re-noises it with *fresh* noise to the next sigma; after
-the last step one pass of the clean chunk at t = 0 writes its keys/values into the cache. A chunk
-is final as soon as it is denoised, so it is decoded and yielded right away (:func:`stream`).
-
-``stream`` reads top to bottom: check inputs → encode prompt → prepare latents and sigmas →
-resolve kernels → per chunk: denoise, decode and yield, then write the cache. The seam: the solver
-is the loops' one stepper (:class:`~flowseam.loops.solvers.SolverSteps`) with Self-Forcing's
-sampler as its input (``flow_match_step`` to x0 = x - sigma v, then ``flow_renoise`` to the next
-sigma) and the per-chunk sigma schedule as each chunk's stage; the DiT's attention is the
-platform's ``cached_attention`` (:mod:`flowseam.causal_attention`). With
-``ExecutionProfile.ROLLOUT`` it captures one BehaviorRecord per (chunk, step). With
-``sde_rollout`` each step is instead Flow-GRPO's SDE step ``flow_sde_step`` between the chunk's
-sigmas (within ``sde_window``, counted per chunk; the x0 / re-noise steps elsewhere), which gives
-every step a log-prob (the cache pass is unchanged). With ``kv_cache=False`` every velocity is a
-full recompute of the prefix with the block-causal mask.
+is denoised in a few steps that predict the clean chunk ``x0`` and re-noise it with *fresh*
+noise, attending to the keys/values of every earlier chunk, then one pass of the clean chunk at
+t = 0 writes its keys/values into the cache. A chunk is final as soon as it is denoised, so
+:func:`stream` decodes and yields it right away. The seam: the solver is the loops' one stepper
+(:class:`~flowseam.loops.solvers.SolverSteps`) with Self-Forcing's sampler as its input and the
+per-chunk sigma schedule as each chunk's stage; the DiT's attention is the platform's
+``cached_attention`` (:mod:`flowseam.causal_attention`). More: docs/streaming.md.
 """
 
 from __future__ import annotations
@@ -63,6 +54,15 @@ def stream(model: Model, request: GenerationRequest,
            profile: ExecutionProfile = ExecutionProfile.SERVE, progress: bool = False,
            decode: bool = True, step_callback: StepCallback | None = None) -> Iterator[Chunk]:
     """Generate ``request`` chunk by chunk, yielding each :class:`Chunk` as soon as it is decoded.
+
+    Reads top to bottom: check inputs → encode prompt → prepare latents and sigmas → resolve
+    kernels → per chunk: denoise, decode and yield, then write the cache. Each step is
+    ``flow_match_step`` to x0 = x - sigma v, then ``flow_renoise`` to the next sigma. With
+    ``sde_rollout`` each step is instead Flow-GRPO's SDE step ``flow_sde_step`` between the
+    chunk's sigmas (within ``sde_window``, counted per chunk; the x0 / re-noise steps
+    elsewhere), which gives every step a log-prob (the cache pass is unchanged). With
+    ``kv_cache=False`` every velocity is a full recompute of the prefix with the block-causal
+    mask.
 
     :param profile: SERVE, or ROLLOUT to capture a BehaviorRecord per (chunk, step).
     :param progress: show a tqdm progress bar over the chunks.

@@ -65,7 +65,8 @@ def run(model: Model, request: GenerationRequest,
     t_encoded = time.perf_counter()
 
     # 3. Prepare latents, then the sigma schedule (it may depend on the latent size): the
-    #    checkpoint's scheduler, with what the request overrides (model.solver, flowseam.schedulers).
+    #    checkpoint's scheduler, with what the request overrides (model.solver,
+    #    flowseam.schedulers).
     with component_faults(model, ("vae", "image_encoder"), "preparing the latents"):
         latents = model.prepare_latents(request, params, generators, cond)
     schedule = model.schedule(params, latents)

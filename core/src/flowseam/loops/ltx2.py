@@ -2,26 +2,13 @@
 
 ``run`` reads top to bottom like diffusers' two-stage recipe (``LTX2Pipeline`` with
 ``output_type="latent"``, ``LTX2LatentUpsamplePipeline``, then ``LTX2Pipeline`` again with the
-refine sigmas): check inputs → encode the prompt → stage 1 (noise, sigmas, denoise with CFG at the
-base resolution) → upsample the video latents x2 → re-noise to the first refine sigma → stage 2
-(a few refine steps, the audio latents carried from stage 1) → decode the frames and the waveform.
-``stages=1`` stops after stage 1 and decodes at the requested size.
-
-The state the solver moves is one float32 tensor per sample holding the packed video and audio
-latents (the card's layout; see :mod:`flowseam.models.ltx2`): video and audio share every sigma,
-so each step of either stage is **one** call of the loops' one stepper
-(:class:`~flowseam.loops.solvers.SolverSteps`, kernels resolved before the first step), and a
-rollout's BehaviorRecord covers both modalities; stage 2's re-noising is the stepper's
-:meth:`~flowseam.loops.solvers.SolverSteps.renoise` (the platform's ``flow_renoise`` kernel). With
-``ExecutionProfile.ROLLOUT`` every step of both stages is captured with its kernel's
-``impl_id``; the steps are numbered across the stages (stage 2 continues after stage 1's last
-index), which is also how ``sde_window`` counts them.
-
-Every step's output is checked as in the other loops (:mod:`flowseam.seam.faults`): the DiT's velocity
-(a tensor of the state's shape, on its device), each kernel's output (the state's shape, dtype
-and device, finite; an SDE step's finite ``(B,)`` log-prob) and the re-noised stage-2 state; a
-failing component (encoders, DiT, upsampler, VAEs, vocoder) is named with the plugin that built
-it, a failing kernel with its step, op and ``impl_id``.
+refine sigmas); ``stages=1`` stops after stage 1 and decodes at the requested size. The key
+decision: the state the solver moves is one float32 tensor per sample holding the packed video
+and audio latents (the card's layout, :mod:`flowseam.models.ltx2`). Video and audio share every
+sigma, so each step of either stage is **one** call of the loops' one stepper
+(:class:`~flowseam.loops.solvers.SolverSteps`), stage 2's re-noising is its ``flow_renoise``
+kernel, and a rollout's BehaviorRecord covers both modalities. Every step's output is checked
+as in the other loops (:mod:`flowseam.loops.checks`).
 """
 
 from __future__ import annotations
@@ -49,7 +36,9 @@ def run(model: Model, request: GenerationRequest,
         decode: bool = True, step_callback: StepCallback | None = None) -> LoopResult:
     """Run the LTX-2 loop of ``model`` (an ``ltx2-t2v`` / ``ltx2-i2v`` instance) for ``request``.
 
-    :param profile: SERVE, or ROLLOUT to capture a BehaviorRecord per step of both stages.
+    :param profile: SERVE, or ROLLOUT to capture a BehaviorRecord per step of both stages, each
+        with its kernel's ``impl_id``; the steps are numbered across the stages (stage 2
+        continues after stage 1's last index), which is also how ``sde_window`` counts them.
     :param progress: show a tqdm progress bar over the denoising steps of both stages.
     :param decode: decode the frames and the waveform (``frames`` is empty and ``audio`` None
         otherwise).

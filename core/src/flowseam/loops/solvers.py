@@ -1,46 +1,14 @@
 """The one stepper of every loop: which kernel moves the latents, resolved once per run.
 
-Every loop family (``flow_match``, ``wan_causal``, ``ltx2``) builds one :class:`SolverSteps`
-per run and calls it once per denoising step with the DiT's velocity; no loop looks a solver
-kernel up itself or writes its own ODE / SDE-window / re-noise branch. What differs between
-loops are *inputs* to it:
-
-* ``sampler``: the serving solver's ops. For ``flow_match`` the ops the checkpoint's scheduler
-  names (:attr:`flowseam.schedulers.SolverConfig.ops`): ``flow_match_step`` (Euler);
-  ``flow_match_step`` to sigma 0 then ``flow_renoise`` to the next sigma for FlowMatchEuler's
-  ``stochastic_sampling``; ``unipc_step`` (its history carried in an explicit
-  :class:`flowseam.ops.UniPCState`, order and corrector per step as diffusers chooses them). The
-  causal loop's chunk sampler is Self-Forcing's (predict x0, re-noise it with fresh noise:
-  ``flow_match_step`` + ``flow_renoise``), LTX-2's is Euler.
-* the sigma schedule of each *stage* (:meth:`SolverSteps.start`): the whole run for
-  ``flow_match``, each chunk for ``wan_causal`` (the same per-chunk schedule, the window counted
-  per chunk), stage 1 and stage 2 for ``ltx2`` (steps numbered across the stages).
-* ``outside_window``: what an SDE rollout runs outside its ``sde_window`` (see below).
-* ``renoise=True`` for a run that re-noises between stages (LTX-2's stage 2 starts from the
-  upsampled latents re-noised to the first refine sigma: :meth:`SolverSteps.renoise`).
-
-What runs at a step:
-
-* **serving** (and a ROLLOUT without ``sde_rollout``): the sampler. The x0 + re-noise sampler
-  steps to sigma 0 and re-noises to the next sigma; at the last step (next sigma 0) x0 is the
-  output and no noise is drawn (Self-Forcing's sampler; for FlowMatchEuler's stochastic sampling
-  the output is the same as diffusers', which draws that noise and multiplies it by 0).
-* **an SDE rollout** (``sde_rollout=True``): Flow-GRPO's first-order steps on the *same* sigma
-  schedule and DiT timesteps: ``flow_sde_step`` (with its Gaussian log-prob) inside the
-  ``sde_window`` (every step without one). Outside the window the step is the probability-flow
-  ODE's Euler step ``flow_match_step`` (Flow-GRPO's window: deterministic steps around it),
-  whatever the checkpoint serves with; a loop whose sampler is the only one its model is trained
-  for passes it as ``outside_window`` (the causal loop: Self-Forcing's x0 + re-noise, counted
-  per chunk). Decision: UniPC is not used in a rollout at all:
-  its corrector rewrites the previous step's output after the DiT has seen it, so a step would no
-  longer be the Gaussian transition whose log-prob was recorded (Flow-GRPO's likelihood ratio
-  needs each step to be one); on a UniPC schedule the first sigma, ``1 - 1e-6``, is taken as 1
-  (:meth:`flowseam.schedulers.Schedule.first_order_sigmas`).
-* **the RL recompute** (:meth:`SolverSteps.recompute`): the same object with the rollout's SDE
-  kernel *pinned* (``platform.kernels.pin(record.impl_id)``, never a fresh lookup), so the PPO
-  ratio is exactly 1 before any weight changes (C2) even when two backends differ numerically.
-
-Every kernel output is checked right after the call (:func:`flowseam.loops.checks.check_step`).
+Every loop family (``flow_match``, ``wan_causal``, ``ltx2``) builds one :class:`SolverSteps` per
+run and calls it once per denoising step with the DiT's velocity; no loop looks a solver kernel
+up itself or writes its own ODE / SDE-window / re-noise branch. What differs between loops are
+*inputs* to it: the serving sampler's ops, the sigma schedule of each stage (the run, a chunk, an
+LTX-2 stage), what an SDE rollout runs outside its window, whether a stage starts re-noised.
+Decision: an SDE rollout takes Flow-GRPO's first-order steps on the same schedule, never UniPC's
+multistep ones, and the RL recompute is the same object with the rollout's kernels pinned (C2).
+What runs at a step: :meth:`SolverSteps.__call__`; every kernel output is checked right after
+the call (:func:`flowseam.loops.checks.check_step`).
 """
 
 from __future__ import annotations
@@ -86,17 +54,26 @@ class Step:
 
 
 class SolverSteps:
-    """The solver of one loop run (see the module docstring).
+    """The solver of one loop run: the kernels it needs, looked up once; what runs at a step is
+    in :meth:`__call__`.
 
     :param kernels: the platform's kernel table; every op is looked up here, once, in ``__init__``.
     :param params: the request's parameters (``sde_rollout``, ``noise_level``, ``sde_window``).
     :param generators: one per sample; stochastic steps draw their noise from them.
-    :param sampler: the serving solver's ops (``SolverConfig.ops``, or a loop's own sampler such
-        as :data:`X0_RENOISE`).
+    :param sampler: the serving solver's ops. For ``flow_match`` the ops the checkpoint's
+        scheduler names (:attr:`flowseam.schedulers.SolverConfig.ops`): ``flow_match_step``
+        (Euler); ``flow_match_step`` to sigma 0 then ``flow_renoise`` to the next sigma for
+        FlowMatchEuler's ``stochastic_sampling``; ``unipc_step`` (its history carried in an
+        explicit :class:`flowseam.ops.UniPCState`, order and corrector per step as diffusers
+        chooses them). The causal loop's chunk sampler is Self-Forcing's :data:`X0_RENOISE`
+        (predict x0, re-noise it with fresh noise), LTX-2's is Euler.
     :param config: the checkpoint's solver, for UniPC's per-step order and corrector.
-    :param renoise: resolve ``flow_renoise`` for :meth:`renoise` (a stage that starts re-noised).
+    :param renoise: resolve ``flow_renoise`` for :meth:`renoise` (a stage that starts re-noised:
+        LTX-2's stage 2 starts from the upsampled latents re-noised to the first refine sigma).
     :param outside_window: what an SDE rollout runs outside its ``sde_window``: ``"ode"`` (the
-        Euler step, the default) or ``"sampler"`` (the serving sampler; not a multistep one).
+        Euler step, the default) or ``"sampler"`` (the serving sampler; not a multistep one),
+        for a loop whose sampler is the only one its model is trained for (the causal loop:
+        Self-Forcing's x0 + re-noise, counted per chunk).
     :param model: the model whose DiT computes the velocities, to name its plugin when a
         velocity is non-finite (:func:`flowseam.loops.checks.check_step`).
     :param pinned: implementation ids to pin instead of looking ops up (:meth:`recompute`).
@@ -144,7 +121,8 @@ class SolverSteps:
     def recompute(cls, kernels: "KernelTable", result: "LoopResult") -> "SolverSteps":
         """The solver of an RL update's log-prob recompute for the rollout ``result``: the same
         stepper with the SDE kernel that produced the rollout's records pinned
-        (``kernels.pin(record.impl_id)``).
+        (``kernels.pin(record.impl_id)``, never a fresh lookup), so the PPO ratio is exactly 1
+        before any weight changes (C2) even when two backends differ numerically.
 
         :raises KernelPinError: if that kernel is not available on ``kernels``' platform.
         :raises InvalidInputError: for a rollout without any log-prob (not an SDE rollout).
@@ -186,10 +164,14 @@ class SolverSteps:
         return f"solver {op} [{impl}] ({self.how()}) on the {schedule} schedule: {settings}"
 
     def start(self, sigmas: "Sequence[float] | Schedule", first: int = 0) -> None:
-        """Begin a stage (the whole run, a chunk, an LTX-2 stage): its ``N + 1`` sigmas (or the
-        request's :class:`~flowseam.schedulers.Schedule`, whose first-order sigmas an SDE
-        rollout steps), and the run's index of its first step (``sde_window`` and the records
-        count steps that way). Resets a multistep solver's history."""
+        """Begin a stage: its ``N + 1`` sigmas (or the request's
+        :class:`~flowseam.schedulers.Schedule`, whose first-order sigmas an SDE rollout steps),
+        and the run's index of its first step (``sde_window`` and the records count steps that
+        way). Resets a multistep solver's history.
+
+        A stage is the whole run for ``flow_match``; each chunk for ``wan_causal`` (the same
+        per-chunk schedule, the window counted per chunk); stage 1 and stage 2 for ``ltx2``
+        (steps numbered across the stages)."""
         if hasattr(sigmas, "first_order_sigmas"):
             sigmas = sigmas.first_order_sigmas() if self.sde else sigmas.sigmas
         self.sigmas, self.first = [float(s) for s in sigmas], first
@@ -206,6 +188,24 @@ class SolverSteps:
                  label: int | str | None = None) -> Step:
         """Step ``i`` of the run (the stage's step ``i - first``): from its sigma to the next
         with the DiT's ``velocity`` (the latents' shape).
+
+        What runs:
+
+        * **serving** (and a ROLLOUT without ``sde_rollout``): the sampler. The x0 + re-noise
+          sampler steps to sigma 0 and re-noises to the next sigma; at the last step (next sigma
+          0) x0 is the output and no noise is drawn (Self-Forcing's sampler; for FlowMatchEuler's
+          stochastic sampling the output is the same as diffusers', which draws that noise and
+          multiplies it by 0).
+        * **an SDE rollout** (``sde_rollout=True``): Flow-GRPO's first-order steps on the *same*
+          sigma schedule and DiT timesteps: ``flow_sde_step`` (with its Gaussian log-prob) inside
+          the ``sde_window`` (every step without one). Outside the window the step is the
+          probability-flow ODE's Euler step ``flow_match_step`` (Flow-GRPO's window:
+          deterministic steps around it), whatever the checkpoint serves with, or the sampler
+          with ``outside_window="sampler"``. UniPC is not used in a rollout at all: its corrector
+          rewrites the previous step's output after the DiT has seen it, so a step would no
+          longer be the Gaussian transition whose log-prob was recorded (Flow-GRPO's likelihood
+          ratio needs each step to be one); on a UniPC schedule the first sigma, ``1 - 1e-6``, is
+          taken as 1 (:meth:`flowseam.schedulers.Schedule.first_order_sigmas`).
 
         :param label: how an error names the step (default ``i``; the causal loop says
             ``"2 of chunk 1"``).

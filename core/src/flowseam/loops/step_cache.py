@@ -1,42 +1,15 @@
 """Adaptive step caching: skip the DiT on steps where its output changes little.
 
-A policy any loop runs with (``DiffusionParams.cache``, ``flowseam generate --cache
-NAME:THRESHOLD``), off by default. It lives here, in the loop, and never inside a model: the loop
-asks :class:`StepCache` for each step's velocity, and the cache either runs the DiT (through the
-model's ``branch_velocity``) or predicts the velocity from the ones it computed before.
-
-The family is TeaCache (Liu et al. 2024, "Timestep Embedding Tells: It's Time to Cache for Video
-Diffusion Model"), First-Block Cache (ParaAttention; diffusers' ``FirstBlockCacheConfig``) and
-MagCache (Ma et al. 2025, "MagCache: Fast Video Generation with Magnitude-Aware Cache"): estimate
-how much the output would change since the last computed step, accumulate that estimate over
-skipped steps, and compute again once the sum passes a threshold. What differs is the estimate.
-TeaCache needs a per-model polynomial fitted offline, MagCache a per-model table of magnitude
-ratios, First-Block Cache runs the first transformer block on every step. flowseam's estimate
-needs none of these and no DiT work: the velocity's own measured rate of change,
-
-    rate = ||v_a - v_b|| / (||v_a|| * |sigma_a - sigma_b|)
-
-from the last two computed velocities ``v_a`` (at ``sigma_a``) and ``v_b``. A step at ``sigma``
-adds ``rate * |sigma - sigma_prev|`` to the accumulated estimate; while the sum stays below the
-threshold the DiT is skipped, and the velocity is predicted:
-
-* ``reuse``: the last computed velocity (TeaCache / First-Block Cache reuse the cached residual);
-* ``extrapolate``: first order in sigma through the last two computed velocities,
-  ``v_a + (sigma - sigma_a) (v_a - v_b) / (sigma_a - sigma_b)`` (TaylorSeer's first-order
-  forecast, Liu et al. 2025, "From Reusing to Forecasting").
-
-The first ``warmup`` steps (at least two, to measure a rate) and the last step are always
-computed. With classifier-free guidance each branch (unconditional, conditional) has its own
-history and its own decision, and only the branches that must be computed run (a batch of B
-rather than 2B). A model with several DiT experts (Wan2.2) starts a fresh history at each expert.
-
-Threshold: a relative change of the velocity (0.05 = 5 %); 0 computes every step. Results
-report ``steps_computed`` / ``steps_skipped`` (steps where no branch ran the DiT) and the branch
-counts (``LoopResult.cache``).
-
-The request's value (:class:`CachePolicy`, from ``"NAME:THRESHOLD"`` or a mapping by
-:func:`normalize_cache`) is parsed in :mod:`flowseam.policies`, below the models and the loops,
-when the request is made; both names are re-exported here.
+A per-request policy (``DiffusionParams.cache``, ``flowseam generate --cache NAME:THRESHOLD``),
+off by default, that lives in the loop and never inside a model: the loop asks :class:`StepCache`
+for each step's velocity, and the cache either runs the DiT (through the model's
+``branch_velocity``) or predicts the velocity from the ones it computed before. Like TeaCache,
+First-Block Cache and MagCache it accumulates an estimate of the change since the last computed
+step and computes again once the sum passes a threshold; its estimate, the velocity's own rate
+of change between the last two computed steps, needs no per-model calibration and no DiT work
+(the rule: :meth:`StepCache.velocity`; docs/step-caching.md). The policy value is parsed in
+:mod:`flowseam.request_fields` when the request is made; :class:`CachePolicy` and
+:func:`normalize_cache` are re-exported here.
 """
 
 from __future__ import annotations
@@ -109,7 +82,39 @@ class StepCache:
                  combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         """Step ``i``'s velocity from ``expert``: each of the ``num_branches`` branches is
         computed (``compute(branch indices) -> their velocities``, one DiT call) or predicted,
-        then ``combine(per-branch velocities)`` guides them (CFG)."""
+        then ``combine(per-branch velocities)`` guides them (CFG).
+
+        The rule, per branch. The family is TeaCache (Liu et al. 2024, "Timestep Embedding
+        Tells: It's Time to Cache for Video Diffusion Model"), First-Block Cache (ParaAttention;
+        diffusers' ``FirstBlockCacheConfig``) and MagCache (Ma et al. 2025, "MagCache: Fast
+        Video Generation with Magnitude-Aware Cache"): estimate how much the output would change
+        since the last computed step, accumulate that estimate over skipped steps, and compute
+        again once the sum passes the threshold. What differs is the estimate: TeaCache needs a
+        per-model polynomial fitted offline, MagCache a per-model table of magnitude ratios,
+        First-Block Cache runs the first transformer block on every step. This estimate needs
+        none of these and no DiT work: the velocity's own rate of change,
+
+            rate = ||v_a - v_b|| / (||v_a|| * |sigma_a - sigma_b|)
+
+        from the last two computed velocities ``v_a`` (at ``sigma_a``) and ``v_b``. A step at
+        ``sigma`` adds ``rate * |sigma - sigma_prev|`` to the accumulated estimate; while the sum
+        stays below the threshold (a relative change of the velocity: 0.05 = 5 %; 0 computes
+        every step) and the branch has skipped fewer than ``max_skips`` steps in a row, the DiT
+        is skipped and the velocity is predicted:
+
+        * ``reuse``: the last computed velocity (TeaCache / First-Block Cache reuse the cached
+          residual);
+        * ``extrapolate``: first order in sigma through the last two computed velocities,
+          ``v_a + (sigma - sigma_a) (v_a - v_b) / (sigma_a - sigma_b)`` (TaylorSeer's
+          first-order forecast, Liu et al. 2025, "From Reusing to Forecasting").
+
+        The first ``warmup`` steps (at least two, to have a rate) and the last step are always
+        computed. With classifier-free guidance each branch (unconditional, conditional) has its
+        own history and its own decision, and only the branches that must be computed run (a
+        batch of B rather than 2B). Each ``expert`` (Wan2.2's two DiTs) has its own histories,
+        so a model starts a fresh history at each expert. A step where no branch ran the DiT
+        counts as skipped (:meth:`report`).
+        """
         sigma = self.sigmas[i]
         histories = [self._histories.setdefault((expert, b), _History())
                      for b in range(num_branches)]

@@ -1,47 +1,14 @@
 """LoRA adapters at serve time, on diffusers' own LoRA machinery, switched per request.
 
-A request names its adapter set in ``DiffusionParams.lora`` (a tuple of :class:`LoraSpec`,
-hashable; ``flowseam generate --lora PATH[:WEIGHT][@EXPERT]``, repeatable). Every model has one
-:class:`AdapterSet` (``model.adapters``): it reads each LoRA file once, the way the card's
-diffusers pipeline reads it, and switches the DiT experts to a request's set before the first
-denoising step. Nothing is re-read between requests.
-
-Reading a file (``AdapterSet.load``): ``<Pipeline>.lora_state_dict`` of the card's diffusers
-pipeline class (``WanPipeline``, ``WanImageToVideoPipeline``, ``FluxPipeline``) converts the layouts
-people download (diffusers/peft, kohya ``lora_down``/``lora_up`` with ``alpha``, ComfyUI's
-``diffusion_model.`` keys, musubi's ``lora_unet_``; for Flux also XLabs and BFL control LoRAs)
-to diffusers' keys; a Wan2.1 T2V LoRA loaded on an I2V model gets the zero image-projection
-layers diffusers adds (``_maybe_expand_t2v_lora_for_i2v``). Only ``.safetensors`` files are read
-(never a pickle). Every LoRA key must then name a linear layer of the DiT with matching shapes
-(``lora_A: (rank, in_features)``, ``lora_B: (out_features, rank)``); a file with keys that match
-nothing (another base model, another rank layout, text-encoder LoRAs, which flowseam does not
-apply) is refused with those keys named, before anything is injected.
-
-Switching (``AdapterSet.activate``), two ways, chosen per expert:
-
-* **named** (an eager DiT: cpu, cuda): each file is one peft adapter, injected once with
-  ``load_lora_adapter``; a request runs ``set_adapters(names, weights)`` (or ``disable_lora()`` for
-  an empty set). This is exactly what ``pipe.load_lora_weights(...); pipe.set_adapters(...)`` does.
-* **hotswap** (a DiT compiled with ``torch.compile``: accel): switching named adapters would
-  recompile (peft's forward loops over the active adapter names and multiplies by a Python float
-  scale, both of which dynamo guards on). The DiT instead holds one adapter slot of fixed rank
-  over the union of the layers every loaded file targets, prepared with diffusers'
-  ``enable_lora_hotswap(target_rank)``; a request's set is written into it in place with
-  ``load_lora_adapter(..., hotswap=True)``. A set of several adapters is one low-rank product:
-  ``sum_i w_i s_i B_i A_i = [w_1 s_1 B_1 | w_2 s_2 B_2 | ...] @ [A_1; A_2; ...]`` (``s_i`` the
-  adapter's ``alpha / rank`` of that layer), zero-padded to the slot's rank, with scale 1; the
-  empty set writes zeros (the base model, exactly). Loading a file whose layers or rank do not fit
-  the slot rebuilds it (one recompile); switching between loaded adapters never recompiles.
-  Load the adapters you serve before the first request (``model.adapters.load(path)``).
-
-Fusing (``fuse``) bakes a set into the base weights with diffusers' ``fuse_lora`` (no LoRA
-matmuls per step); ``unfuse`` runs diffusers' ``unfuse_lora`` and then restores the base weights
-saved at fuse time, bit for bit (``W + d - d`` is not ``W`` in floating point). While a set is
-fused, a request may name that set or none; another set is refused.
-
-Wan2.2's two experts: a spec loads into ``transformer`` (the high-noise expert) unless it says
-``expert="transformer_2"`` (diffusers' ``load_into_transformer_2=True``). The causal Wan card
-uses ``WanTransformer3DModel`` too, so Wan LoRAs load there as well.
+A request names its adapter set in ``DiffusionParams.lora`` (a tuple of :class:`LoraSpec`;
+``flowseam generate --lora PATH[:WEIGHT][@EXPERT]``). Every model has one :class:`AdapterSet`
+(``model.adapters``): it reads each LoRA file once, the way the card's diffusers pipeline reads
+it (:meth:`AdapterSet.load`), and switches the DiT experts to a request's set before its first
+denoising step (:meth:`AdapterSet.activate`); nothing is re-read between requests. Key decision,
+per expert: an eager DiT holds one peft adapter per file and a request selects them by name, as
+diffusers' ``set_adapters`` does; a DiT compiled with ``torch.compile`` holds one fixed-rank
+adapter slot that each request's set is written into (hot-swap), since switching named adapters
+would recompile it. docs/lora.md has the user's view.
 """
 
 from __future__ import annotations
@@ -132,8 +99,19 @@ class AdapterSet:
 
     # -- reading files --------------------------------------------------------------------------
     def load(self, path: str | os.PathLike, expert: str | None = None) -> Adapter:
-        """Read the LoRA file ``path`` for ``expert`` (default the first) once, check that every
-        key matches the DiT, and make it available to requests.
+        """Read the LoRA file ``path`` for ``expert`` (default the first: Wan2.2's high-noise
+        ``transformer``; ``"transformer_2"`` is diffusers' ``load_into_transformer_2=True``) once,
+        check that every key matches the DiT, and make it available to requests.
+
+        Only ``.safetensors`` files are read (never a pickle). ``<Pipeline>.lora_state_dict`` of
+        the card's pipeline class converts the layouts people download (diffusers/peft, kohya
+        ``lora_down``/``lora_up`` with ``alpha``, ComfyUI's ``diffusion_model.`` keys, musubi's
+        ``lora_unet_``; for Flux also XLabs and BFL control LoRAs) to diffusers' keys, and a
+        Wan2.1 T2V LoRA on an I2V model gets the zero image-projection layers diffusers adds
+        (``_maybe_expand_t2v_lora_for_i2v``). Every key must then name a linear layer of the DiT
+        with matching shapes (``lora_A: (rank, in_features)``, ``lora_B: (out_features,
+        rank)``); a file with keys that match nothing (another base model, another rank layout,
+        text-encoder LoRAs) is refused with those keys named, before anything is injected.
 
         :raises FlowseamError: for a missing or non-safetensors file, an unknown expert, or keys
             that match no layer of the DiT (named).
@@ -245,6 +223,18 @@ class AdapterSet:
         denoising step of a request. An empty set runs the base model (or, while a set is fused,
         the fused model).
 
+        An eager expert (cpu, cuda) holds each file as one peft adapter, injected once with
+        ``load_lora_adapter``; a request runs ``set_adapters(names, weights)`` (``disable_lora()``
+        for an empty set), exactly what ``pipe.load_lora_weights(...); pipe.set_adapters(...)``
+        does. A compiled expert (accel) would recompile on that: peft's forward loops over the
+        active adapter names and multiplies by a Python float scale, and dynamo guards on both.
+        It holds instead one adapter slot of fixed rank over the union of the layers its loaded
+        files target (diffusers' ``enable_lora_hotswap(target_rank)``), into which a request's
+        set is written in place (``load_lora_adapter(..., hotswap=True)``) as one low-rank
+        product (:func:`_combine`); the empty set writes zeros (the base model, exactly). Loading
+        a file whose layers or rank do not fit the slot rebuilds it (one recompile); switching
+        between loaded adapters never recompiles, so load the adapters you serve first.
+
         :raises FlowseamError: for files :meth:`load` refuses, or a set other than the fused one
             while one is fused.
         """
@@ -336,7 +326,8 @@ class AdapterSet:
 
     def unfuse(self) -> None:
         """Undo :meth:`fuse`: diffusers' ``unfuse_lora``, then the base weights saved at fuse time
-        are written back, so they are bit-identical to before."""
+        are written back, so they are bit-identical to before (``W + d - d`` is not ``W`` in
+        floating point)."""
         for name, state in self._experts.items():
             if state.fused is None:
                 continue
@@ -412,7 +403,8 @@ def _combine(chosen: list[tuple[Adapter, float]], layers: frozenset[str], rank: 
              dit: "torch.nn.Module") -> dict[str, "torch.Tensor"]:
     """The slot's state dict for a weighted set: per layer ``A = [A_1; A_2; ...]`` and ``B = [w_1
     s_1 B_1 | w_2 s_2 B_2 | ...]``, zero-padded to ``rank`` (so ``B @ A = sum_i w_i s_i B_i
-    A_i``); layers no chosen adapter targets are zero."""
+    A_i``, ``s_i`` the adapter's ``alpha / rank`` of that layer; the slot's scale is 1); layers
+    no chosen adapter targets are zero."""
     import torch
 
     out = {}

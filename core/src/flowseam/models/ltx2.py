@@ -2,54 +2,15 @@
 ``LTX2Pipeline`` / ``LTX2ImageToVideoPipeline`` layouts, plus the ``latent_upsampler/`` folder of
 ``LTX2LatentUpsamplerModel`` that LTX-2's converter writes next to them).
 
-One DiT (``LTX2VideoTransformer3DModel``) denoises video and audio latents together; a Gemma 3
-text encoder's hidden states (every layer) go through the text connectors (``LTX2TextConnectors``)
-into one embedding per modality; the video VAE decodes the frames, the audio VAE a mel spectrogram
-and the vocoder turns it into a waveform. The loop (:mod:`flowseam.loops.ltx2`) runs stage 1 at
-the base resolution with CFG, upsamples the video latents x2 with the latent upsampler, re-noises
-them to the first refine sigma and refines with a few distilled steps (diffusers' two-stage recipe,
-``docs/source/en/api/pipelines/ltx2.md``; Lightricks' ``ti2vid_two_stages``).
-
-**The loop's state.** Video and audio are denoised with the same sigmas, so one solver step moves
-both: the state is one float32 tensor ``(B, Nv + Na)``, the packed video latents
-``(B, F*H*W tokens, C)`` and the packed audio latents ``(B, L, C_a * M)`` flattened and
-concatenated (:meth:`LTX2T2V.split` / :meth:`LTX2T2V.join`). A solver kernel sees one tensor and
-one log-prob covers both modalities. The two stages have different sizes; :class:`StageLayout`
-(kept in ``cond.extra["layouts"]``, keyed by the state's width) says how a state of that size
-unpacks, which guidance applies, and which sigma each timestep stands for.
-
-Step bodies follow diffusers 0.42.1 so that, on the same weights, seed, steps, guidance and sigmas,
-the output equals diffusers' pipelines (tested; stage 1 with ``output_type="latent"``, then
-``LTX2LatentUpsamplePipeline``, then the pipeline again with ``latents=``, ``audio_latents=``,
-``noise_scale=sigmas[0]`` and a scheduler with ``use_dynamic_shifting=False,
-shift_terminal=None``):
-
-* prompt: ``strip()``, Gemma tokenizer with left padding to ``max_sequence_length``, every hidden
-  state stacked and flattened ``(B, L, D * (layers + 1))``, the connectors with the tokenizer's
-  padding side; CFG when a stage's video or audio guidance is > 1, negative prompt ``""`` by default;
-* noise: video ``(B, C, F', H', W')`` then audio ``(B, C_a, L, M')`` from each sample's generator
-  (``F' = (F - 1) / t + 1``, ``L = round(F / fps * sample_rate / hop / 4)``), packed into tokens;
-* stage-1 sigmas ``linspace(1, 1/N, N)`` with the scheduler's dynamic shift ``mu`` from the video
-  token count (``calculate_shift`` with base/max seq len 1024/4096 and shifts 0.95/2.05 unless the
-  config says otherwise) and its terminal shift; stage 2 takes the refine sigmas as they are;
-* guidance in x0 space with the delta form ``x0 = x - sigma * v``,
-  ``x0_g = x0_c + (g - 1) * (x0_c - x0_u)``, ``v = (x - x0_g) / sigma``, separately for video
-  (``guidance_scale``) and audio (``audio_guidance_scale``); ``use_cross_timestep=True`` (the
-  pipeline's default); LTX-2.3's STG, modality-isolation guidance and guidance rescale are not
-  implemented (diffusers' ``stg_scale=0``, ``modality_scale=1``, ``guidance_rescale=0``);
-* between the stages, the video latents are denormalised (``x * std / scaling + mean``), upsampled
-  and normalised again; the audio latents are carried over; both are re-noised
-  ``(1 - s) * x + s * noise`` at ``s`` = the first refine sigma by the platform's ``flow_renoise``
-  kernel (text-to-video draws that noise in the packed shapes, image-to-video in the unpacked
-  video shape, as diffusers does);
-* decode: video ``x * std / scaling + mean`` → VAE (``temb = 0`` for a timestep-conditioned VAE);
-  audio ``x * std + mean`` → audio VAE → vocoder, waveform ``(B, channels, samples)`` at the
-  vocoder's ``output_sampling_rate``.
-
-Image-to-video: the image is H.264 re-compressed at the model's default CRF (33 for Gemma 3 text
-encoders; diffusers' ``apply_image_conditioning_crf`` through PyAV), resized to the stage-1 size
-(bilinear, diffusers' ``VideoProcessor``), VAE-encoded (mode) and normalised into the first latent
-frame, which is kept clean: its tokens get timestep 0 and are never stepped nor re-noised.
+One DiT denoises video and audio latents together, conditioned on a Gemma 3 text encoder through
+the text connectors; the loop (:mod:`flowseam.loops.ltx2`) runs stage 1 with CFG, upsamples the
+video latents x2, re-noises them and refines (diffusers' two-stage recipe). Key decision: video
+and audio share every sigma, so the loop's state is one float32 tensor ``(B, Nv + Na)``, the
+packed video and audio latents flattened and joined (:meth:`LTX2T2V.split` /
+:meth:`LTX2T2V.join`): one solver step moves both and one log-prob covers both.
+:class:`StageLayout` says how a state of each stage's size unpacks and is guided. Step bodies
+follow diffusers 0.42.1, so that the output equals its pipelines' on the same weights, seed and
+sigmas (each method says how); docs/ltx2.md has the user's view and how the parity is tested.
 """
 
 from __future__ import annotations
@@ -85,7 +46,8 @@ SIZE_MULTIPLE = 32
 
 @dataclass
 class StageLayout:
-    """How a state of one stage unpacks, and how it is guided.
+    """How a state of one stage unpacks, and how it is guided; kept in
+    ``cond.extra["layouts"]``, keyed by the state's width (:meth:`LTX2T2V.layout`).
 
     :ivar stage: 1 (base resolution) or 2 (refine).
     :ivar video: latent video shape ``(C, F, H, W)`` (unpacked); ``audio``: ``(C, L, M)``.
@@ -114,7 +76,8 @@ class StageLayout:
 
 
 class LTX2T2V(ModelInstance):
-    """LTX-2 text-to-video with audio. See the module docstring for the state layout."""
+    """LTX-2 text-to-video with audio. See the module docstring for the state layout; each step
+    body says which part of diffusers' ``LTX2Pipeline`` it follows."""
 
     #: what LTX-2.0's DiT computes from the text alone (the caption projections, the text
     #: cross-attention's keys and values, for video and audio) and from the stage's RoPE
@@ -153,7 +116,9 @@ class LTX2T2V(ModelInstance):
         return params.height, params.width
 
     def audio_frames(self, params: DiffusionParams) -> int:
-        """Latent audio frames for ``num_frames`` at ``frame_rate`` (diffusers' formula)."""
+        """Latent audio frames for ``num_frames`` at ``frame_rate`` (diffusers' formula):
+        ``round(num_frames / frame_rate * sample_rate / mel_hop_length / t)``, ``t`` the audio
+        VAE's temporal compression."""
         config = self.components["audio_vae"].config
         per_second = config.sample_rate / config.mel_hop_length / float(
             self.components["audio_vae"].temporal_compression_ratio)
@@ -217,7 +182,10 @@ class LTX2T2V(ModelInstance):
 
     # -- 2. encode ------------------------------------------------------------------------------
     def _encode_one(self, prompt: str, max_len: int) -> tuple[torch.Tensor, ...]:
-        """(video embeds (1, L, Dv), audio embeds (1, L, Da), mask (1, L)) for one prompt."""
+        """(video embeds (1, L, Dv), audio embeds (1, L, Da), mask (1, L)) for one prompt, as
+        diffusers encodes it: ``prompt.strip()``, the Gemma tokenizer with left padding to
+        ``max_len``, every hidden state stacked and flattened to ``(1, L, D * (layers + 1))``,
+        then the connectors with the tokenizer's padding side."""
         tokenizer, encoder = self.components["tokenizer"], self.components["text_encoder"]
         tokenizer.padding_side = "left"  # Gemma; diffusers sets it on every call too
         if tokenizer.pad_token is None:
@@ -256,6 +224,8 @@ class LTX2T2V(ModelInstance):
         return params.guidance_scale, params.audio_guidance_scale
 
     def encode(self, request: GenerationRequest, params: DiffusionParams) -> Conditioning:
+        """The prompts' embeddings and, when a stage runs CFG (its video or audio guidance
+        > 1), the negative prompt's (``""`` by default)."""
         prompts = request.prompts
         video, audio, mask = self.encode_prompts(prompts, params.max_sequence_length)
         cond = Conditioning(prompt_embeds=video, extra={"audio_embeds": audio, "mask": mask,
@@ -337,7 +307,9 @@ class LTX2T2V(ModelInstance):
 
     def prepare_latents(self, request: GenerationRequest, params: DiffusionParams,
                         generators: list[torch.Generator], cond: Conditioning) -> torch.Tensor:
-        """Stage-1 noise, packed and joined: ``(B, Nv + Na)`` float32 on the DiT's device."""
+        """Stage-1 noise, packed and joined: ``(B, Nv + Na)`` float32 on the DiT's device. Each
+        sample's generator draws video ``(C, F', H', W')`` (``F' = (F - 1) / t + 1``, ``t`` the
+        VAE's temporal compression), then audio ``(C_a, L, M')`` (:meth:`audio_frames`)."""
         height, width = self.stage_size(params, 1)
         video = (int(self.dit.config.in_channels) // (self.patch[0] * self.patch[1] ** 2),
                  (params.num_frames - 1) // self.vae_temporal + 1,
@@ -371,7 +343,8 @@ class LTX2T2V(ModelInstance):
         """Stage 1: ``linspace(1, 1/N, N)`` through the checkpoint's resolved scheduler
         (``self.solver``, :mod:`flowseam.schedulers`), with the dynamic shift ``mu`` from the
         video token count (diffusers' ``calculate_shift`` with the config's base/max seq len and
-        shifts). Returns the N + 1 sigmas (ending in 0) and the N timesteps ``sigma * 1000``
+        shifts: 1024/4096 and 0.95/2.05 unless the config says otherwise) and the config's
+        terminal shift. Returns the N + 1 sigmas (ending in 0) and the N timesteps ``sigma * 1000``
         (float32)."""
         layout = self.layout(latents, cond)
         c = self.solver.config
@@ -441,7 +414,9 @@ class LTX2T2V(ModelInstance):
         (``sigma * 1000``), float32, the state's shape.
 
         With CFG (the stage's video or audio scale > 1) the unconditional and conditional passes
-        run as one batch of 2B; guidance is applied in x0 space per modality (module docstring).
+        run as one batch of 2B; guidance is applied in x0 space, separately for the video
+        (``guidance_scale``) and the audio (``audio_guidance_scale``): :func:`_guided`. The DiT
+        runs with ``use_cross_timestep=True``, the pipeline's default.
         Image-to-video tokens of the clean first frame get velocity 0 (the step leaves them).
         """
         dit = self.dit if dit is None else dit
@@ -508,7 +483,9 @@ class LTX2T2V(ModelInstance):
     # -- 5. decode ------------------------------------------------------------------------------
     def decode(self, latents: torch.Tensor, params: DiffusionParams,
                cond: Conditioning | None = None) -> np.ndarray:
-        """The final state → frames ``(B, F, H, W, 3)`` float32 in [0, 1]."""
+        """The final state → frames ``(B, F, H, W, 3)`` float32 in [0, 1]: the video latents
+        denormalised (``x * std / scaling + mean``), then the VAE (``temb = 0`` for a
+        timestep-conditioned VAE, diffusers' default ``decode_timestep``)."""
         layout = self.layout(latents, cond)
         vae = self.components["vae"]
         device, dtype = self.component_device("vae"), self.component_dtype("vae")
@@ -523,7 +500,8 @@ class LTX2T2V(ModelInstance):
     def decode_audio(self, latents: torch.Tensor, params: DiffusionParams,
                      cond: Conditioning) -> tuple[np.ndarray, int]:
         """The final state → ``(waveform (B, channels, samples) float32, sample rate in Hz)``:
-        the audio latents denormalised, the audio VAE's mel spectrogram, the vocoder."""
+        the audio latents denormalised (``x * std + mean``), the audio VAE's mel spectrogram, the
+        vocoder; the rate is the vocoder's ``output_sampling_rate``."""
         layout = self.layout(latents, cond)
         audio_vae, vocoder = self.components["audio_vae"], self.components["vocoder"]
         device, dtype = self.component_device("audio_vae"), self.component_dtype("audio_vae")
@@ -594,6 +572,8 @@ class LTX2I2V(LTX2T2V):
         return cond
 
     def first_frame_mask(self, cond: Conditioning, batch: int, video: tuple) -> torch.Tensor:
+        """``(B, tokens)``, 1 on the first latent frame's tokens: they get timestep 0 and
+        velocity 0, and are never re-noised, so the image's frame stays clean."""
         _, F, H, W = video
         mask = torch.zeros(batch, 1, F, H, W)
         mask[:, :, 0] = 1.0
@@ -602,7 +582,10 @@ class LTX2I2V(LTX2T2V):
     def condition_video(self, request: GenerationRequest, params: DiffusionParams,
                         cond: Conditioning, noise: torch.Tensor) -> torch.Tensor:
         """``image_latents * mask + noise * (1 - mask)``: the re-compressed, resized image's
-        normalised VAE mode in the first latent frame (repeated over frames, masked)."""
+        normalised VAE mode in the first latent frame (repeated over frames, masked). The image
+        is H.264 re-compressed at the model's default CRF (33 for Gemma 3 text encoders;
+        diffusers' ``apply_image_conditioning_crf``, through PyAV) and resized to the stage-1
+        size (bilinear, diffusers' ``VideoProcessor``)."""
         from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve_default_image_crf
         from diffusers.video_processor import VideoProcessor
         from PIL import Image

@@ -3,16 +3,13 @@
 
 Step bodies follow diffusers 0.42's pipelines so that, on the same weights, seed and parameters,
 flowseam's output equals diffusers' (tested): T5 embeddings zeroed past each prompt's length and
-padded to ``max_sequence_length``; CFG as two forwards, ``uncond + g * (cond - uncond)``, when
-``guidance_scale > 1``; the DiT's timestep is the scheduler's (``sigma * 1000`` for
-FlowMatchEuler, UniPC's integer timesteps); latents ``x * std + mean`` before the VAE. (CFG runs
-as one 2B batch rather than two forwards: equal to float rounding.)
-
-Wan2.2 A14B (``transformer_2`` and ``boundary_ratio`` in ``model_index.json``): two DiT experts,
-each built through ``platform.build_component("dit", ...)``; ``transformer`` denoises the steps
-whose timestep is ``>= boundary_ratio * num_train_timesteps`` with ``guidance_scale``,
-``transformer_2`` the others with ``guidance_scale_2`` (default ``guidance_scale``); CFG runs
-when ``guidance_scale > 1``, as in diffusers. Wan2.2 TI2V-5B (``expand_timesteps=True``, per-token
+padded to ``max_sequence_length``; CFG ``uncond + g * (cond - uncond)`` when
+``guidance_scale > 1``, run as one 2B batch rather than two forwards (equal to float rounding);
+the DiT's timestep is the scheduler's (``sigma * 1000`` for FlowMatchEuler, UniPC's integer
+timesteps); latents ``x * std + mean`` before the VAE. Wan2.2 A14B (``transformer_2`` and
+``boundary_ratio`` in ``model_index.json``) has two DiT experts, each built through
+``platform.build_component("dit", ...)``, that split the steps by timestep
+(:mod:`flowseam.models.experts`); Wan2.2 TI2V-5B (``expand_timesteps=True``, per-token
 timesteps) is refused by name.
 """
 

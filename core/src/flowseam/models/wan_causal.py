@@ -3,20 +3,13 @@ cache by the ``wan_causal`` loop (:mod:`flowseam.loops.causal`).
 
 The DiT is diffusers' own ``WanTransformer3DModel``: Self-Forcing and CausVid fine-tune Wan2.1
 weights without changing the architecture, only the attention pattern (block-causal over chunks
-of latent frames) and the sampler (a few steps that predict x0 and re-noise it). Those two live
-here and in the loop, on the seam: the attention pattern is :mod:`flowseam.causal_attention`
-(the ``cached_attention`` op), the sampler the ``flow_match_step`` and ``flow_renoise`` ops.
+of latent frames: :mod:`flowseam.causal_attention`, the ``cached_attention`` op) and the sampler
+(a few steps that predict x0 and re-noise it: the ``flow_match_step`` and ``flow_renoise`` ops).
 diffusers' ``AnyFlowFARTransformer3DModel`` was the other candidate; it is a different network
 (a dual-timestep flow-map embedding, FAR's compressed far-chunk tokens, no re-noising), so it
-cannot load these weights.
-
-Checkpoint layout (flowseam's, documented in docs/streaming.md): a diffusers ``WanPipeline`` folder
-whose ``model_index.json`` also holds ``"_flowseam_causal": {...}`` with the Self-Forcing
-settings the checkpoint was trained with (``num_frame_per_block``, ``denoising_step_list``,
-``timestep_shift``, ``local_attn_size``, ``sink_size``, ``warp_denoising_step``,
-``context_noise``); diffusers ignores the key, flowseam selects this card by it.
-:func:`convert_self_forcing_checkpoint` writes such a folder from the public single-file
-Self-Forcing / CausVid checkpoint and the Wan2.1 base it was trained from.
+cannot load these weights. This card is selected by a ``"_flowseam_causal"`` entry (the
+Self-Forcing settings) in a ``WanPipeline`` folder's ``model_index.json`` (docs/streaming.md);
+:func:`convert_self_forcing_checkpoint` writes such a folder from a single-file checkpoint.
 """
 
 from __future__ import annotations
@@ -346,7 +339,8 @@ def convert_self_forcing_checkpoint(weights: str | Path, base: str | Path, outpu
     """Write a flowseam causal checkpoint folder: the Wan2.1 T2V ``base`` (diffusers
     ``WanPipeline`` folder: tokenizer, text encoder, VAE, scheduler) with its transformer
     replaced by the Self-Forcing / CausVid DiT in ``weights``, and ``_flowseam_causal`` in
-    ``model_index.json``. Written to a temporary folder and renamed.
+    ``model_index.json`` (diffusers ignores that key: the folder still loads as a
+    ``WanPipeline``). Written to a temporary folder and renamed.
 
     :param causal_config: ``_flowseam_causal`` settings (default Self-Forcing's DMD config).
     :raises ValueError: if ``base`` is not a WanPipeline folder, ``output`` exists, or the

@@ -1,157 +1,17 @@
-"""Op names, their contracts, and the argument checks every implementation shares.
+"""Op names, the argument checks every implementation shares, and where each op's contract is.
 
-Each op is a string constant; a backend registers callables for it (see
-:func:`flowseam.seam.hookspecs.flowseam_register_kernels`), loops get the resolved callable from
-``platform.kernels.get(op)``. :mod:`flowseam.ops.reference` holds the numpy float64 oracle each
-implementation is checked against.
+An op is a named operation with a written contract: a backend registers callables for it
+(:func:`flowseam.seam.hookspecs.flowseam_register_kernels`), a loop gets the resolved one from
+``platform.kernels.get(op)``, once per run. Each op's contract (formula and source, shapes,
+edge cases, what is refused) is the docstring of its numpy float64 oracle, the function of the
+same name in :mod:`flowseam.ops.reference`, against which the conformance suite checks every
+kernel; ``SEQUENCE_PARALLEL_ATTENTION``, a collective with no oracle, has its contract below.
 
-Contracts
----------
-``FLOW_MATCH_STEP``: ``step(x, v, sigma, sigma_next) -> x + (sigma_next - sigma) * v``
-    One deterministic Euler step of the flow ODE dx/dσ = v (the serve-time solver; matches
-    diffusers ``FlowMatchEulerDiscreteScheduler.step``). ``x``, ``v``: same shape, e.g. latents
-    ``(B, C, F, H, W)``; the result has ``x``'s dtype, the arithmetic is float32 or wider.
-
-``FLOW_SDE_STEP``: ``step(x, v, sigma, sigma_next, *, noise=None, prev_sample=None,
-noise_level=0.7, sigma_max=None, generator=None) -> SDEStepOutput``
-    Flow-GRPO's stochastic step with its Gaussian log-prob (Liu et al. 2025, "Flow-GRPO",
-    eq. 9-10; their SD3 ``sde_step_with_logprob``). With ``dt = sigma_next - sigma < 0``::
-
-        s          = sigma_max if sigma == 1 else sigma
-        std_dev_t  = noise_level * sqrt(sigma / (1 - s))
-        mean       = x * (1 + std_dev_t**2 * dt / (2*sigma))
-                     + v * (1 + std_dev_t**2 * (1 - sigma) / (2*sigma)) * dt
-        std        = std_dev_t * sqrt(-dt)
-        sample     = prev_sample if given else mean + std * noise
-        log_prob   = mean over non-batch dims of log N(sample; mean, std**2)   -> (B,)
-
-    ``noise`` is drawn from ``generator`` (standard normal, x's shape) when not given. The
-    sample is returned in ``x``'s dtype and the log-prob is computed from that returned sample
-    (so recomputing with ``prev_sample=sample`` reproduces it exactly); the sample enters the
-    log-density detached, so gradients reach the log-prob only through ``mean`` (as in
-    Flow-GRPO). ``mean``, ``std`` and ``log_prob`` are float32 (or wider).
-
-    Edge cases (as Flow-GRPO has them). ``noise_level == 0`` is accepted: Flow-GRPO evaluates
-    with it, and the step is then deterministic: ``std_dev_t = std = 0``, ``mean`` is the Euler
-    step ``x + dt * v``, ``sample = mean`` (rounded to x's dtype; ``noise`` and ``generator``
-    are not used; ``prev_sample``, if given, is returned as given), ``sigma_max`` is not needed,
-    and ``log_prob`` is **0** for every sample: a point mass has no density, and 0 is the log of
-    the probability (1) that the deterministic step produces its own output. Flow-GRPO's own
-    formula gives NaN there. A PPO ratio built on it is exactly 1, so flowseam's trainers refuse
-    ``noise_level=0`` for training. A **per-sample** sigma (a ``(B,)`` tensor, as in Flow-GRPO's
-    training batches whose timesteps are shuffled per sample) is refused with ``ValueError``:
-    flowseam's loops step every row of a batch on one schedule, and its trainers recompute each
-    BehaviorRecord (one sigma for the whole batch), so one scalar sigma per call keeps every
-    backend's kernel a single fused pass; group rows by sigma to recompute such a batch.
-
-``UNIPC_STEP``: ``step(x, v, sigma, sigma_next, state, *, order, solver_type="bh2",
-corrector=True) -> UniPCStepOutput(sample, state)``
-    One step of UniPC (Zhao et al. 2023, "UniPC: A Unified Predictor-Corrector Framework for
-    Fast Sampling of Diffusion Models", the B(h) variants) in the flow-matching, data-prediction
-    form of diffusers' ``UniPCMultistepScheduler`` (``use_flow_sigmas=True``,
-    ``prediction_type="flow_prediction"``, ``predict_x0=True``; what the Wan2.1-Diffusers
-    checkpoints ship). With ``alpha(s) = 1 - s`` and the log-SNR
-    ``lam(s) = log(alpha(s)) - log(s)`` (``lam(0) = +inf``)::
-
-        m    = x - sigma * v                       # the model output as a data prediction
-
-    **Corrector** (UniC), when ``corrector`` and ``state.last_sample`` is not None: with
-    ``s0 = state.sigmas[-1]``, ``m0 = state.outputs[-1]``, ``p = state.last_order``,
-    ``x_prev = state.last_sample``::
-
-        h     = lam(sigma) - lam(s0);   hh = -h;   phi1 = expm1(hh)
-        B     = hh (bh1) or expm1(hh) (bh2)
-        r_k   = (lam(state.sigmas[-1-k]) - lam(s0)) / h,   D_k = (state.outputs[-1-k] - m0) / r_k,
-                for k = 1 .. p-1;  r_p = 1
-        R     = [[r_j ** (i-1)]]  (p x p, i = 1..p rows, j = 1..p columns)
-        b_i   = g_i * i! / B with g_1 = phi1/hh - 1,  g_{i+1} = g_i/hh - 1/(i+1)!
-        rho   = [0.5] if p == 1 else solve(R, b)
-        x     = (sigma/s0) * x_prev - alpha(sigma) * phi1 * m0
-                - alpha(sigma) * B * (sum_k rho_k D_k + rho_p * (m - m0))
-
-    **Predictor** (UniP) of order ``q = order`` from ``x`` (corrected) at ``s0 = sigma`` to
-    ``t = sigma_next``, over the history ``state.outputs + (m,)``: ``h = lam(t) - lam(sigma)``,
-    ``r_k``, ``D_k`` (k = 1 .. q-1), ``hh``, ``phi1``, ``B``, ``R``, ``b`` as above with ``m0 = m``;
-    ``rho = [0.5]`` for q == 2, else ``solve(R[:-1, :-1], b[:-1])``::
-
-        sample = (t/sigma) * x - alpha(t) * phi1 * m - alpha(t) * B * sum_k rho_k D_k
-
-    The state carries the solver's history explicitly (:class:`UniPCState`): the sigmas and data
-    predictions of the last ``order`` steps (this one included), the corrected ``x`` the
-    predictor started from (``last_sample``, x's dtype) and ``order`` (``last_order``); the
-    initial state is :meth:`UniPCState.empty`. Outputs are stored in the compute dtype. How a
-    loop drives the op (diffusers' rules): the order of step i of N is
-    :func:`unipc_order`, the corrector runs from the second step on, except after the step
-    indices listed in ``disable_corrector``; the DiT is evaluated on the predicted (uncorrected)
-    sample, which the next step corrects.
-
-    Domain: ``0 < sigma < 1`` (``lam`` is -inf at sigma 1; diffusers' schedule starts at
-    ``1 - 1e-6``), ``0 <= sigma_next <= sigma``, the history's sigmas strictly decreasing and
-    above sigma, ``1 <= order <= len(state.outputs) + 1`` and ``order <= 3`` (flowseam's
-    implementation; Wan ships 2, diffusers recommends 2 for guided and 3 for unconditional
-    sampling). At ``sigma_next == 0`` the log-SNR is infinite and only ``order == 1`` is
-    defined: the sample is then ``m`` exactly, for either solver type. (diffusers 0.42 returns
-    NaN for ``bh1`` there, multiplying B(h) = -inf by a zero residual, and inf for orders >= 2
-    with ``lower_order_final=False``.) At ``sigma_next == sigma`` (a schedule with
-    ``final_sigmas_type="sigma_min"`` repeats its last sigma) ``h = 0`` and the predictor is the
-    identity: the sample is the corrected ``x``. Bad arguments raise ``ValueError``. The step is not
-    required to be differentiable (RL rollouts use ``FLOW_SDE_STEP``).
-
-``ATTENTION``: ``attn(q, k, v, attn_mask=None, scale=None)``
-    Scaled dot-product attention, layout ``(B, heads, seq, head_dim)``, the semantics of
-    ``torch.nn.functional.scaled_dot_product_attention``: a boolean mask marks the keys that may
-    be attended (True = keep), a float mask is added to the scores; ``scale`` defaults to
-    ``1/sqrt(head_dim)``. The key/value length may differ from the query length.
-
-``CACHED_ATTENTION``: ``attn(q, k, v, cache_k=None, cache_v=None, scale=None)``
-    Block-causal attention of one chunk of a causal video loop over a KV cache: the chunk's
-    queries ``q (B, heads, Lq, D)`` attend to every cached key ``cache_k (B, heads, Lc, D)``
-    (earlier chunks, already windowed by the loop) and to every key of the chunk itself
-    ``k (B, heads, Lk, D)``; values likewise (``cache_v (B, heads, Lc, Dv)``,
-    ``v (B, heads, Lk, Dv)``)::
-
-        out = softmax(q @ cat(cache_k, k)^T * scale) @ cat(cache_v, v)     -> (B, heads, Lq, Dv)
-
-    ``Lc`` may be 0 (the first chunk), or both caches None. No mask: within a chunk attention is
-    bidirectional, and the cache holds only what the chunk may see (the block-causal mask of
-    Self-Forcing / CausVid, Huang et al. 2025; Yin et al. 2025). ``scale`` defaults to
-    ``1/sqrt(D)``; the result has ``q``'s dtype. A separate op (not ``attention`` with a mask)
-    so that a backend can implement it without materialising the concatenation (e.g.
-    flash-attn's ``flash_attn_with_kvcache``), and so that a backend without it falls back to
-    the next device visibly (``platform.explain()``).
-
-``SEQUENCE_PARALLEL_ATTENTION``: ``attn(q, k, v, *, group, attention, scale=None)``
-    Self-attention over a sequence split across the ranks of the torch.distributed process group
-    ``group`` (``N = group.size()`` ranks): rank ``r`` passes its contiguous shard, rows
-    ``[r * S/N, (r + 1) * S/N)`` of q, k and v, each ``(B, heads, S/N, head_dim)`` (every rank
-    the same shape), and gets back the same rows of the unsplit call::
-
-        attention(cat_r(q_r), cat_r(k_r), cat_r(v_r), scale=scale)[:, :, r*S/N:(r+1)*S/N]
-
-    in ``q``'s dtype. ``attention`` is the platform's resolved ``ATTENTION`` kernel: an
-    implementation that decomposes the call (Ulysses' all-to-all, DeepSpeed-Ulysses, Jacobs et
-    al. 2023: trade the sequence split for a head split, attend, trade back) runs its
-    full-sequence part with it; a fused one (ring attention, Liu et al. 2023) may ignore it. No
-    mask (the split DiTs' self-attention has none). Every rank of ``group`` calls it with the same
-    shapes (a collective). ``heads`` must be a multiple of ``N`` for an all-to-all
-    implementation, which raises ``ValueError`` naming both otherwise; an implementation that
-    runs any number of heads (ring attention) says so with the function attribute
-    ``any_heads = True``, and flowseam then does not refuse such a split before loading. Forward only: a tensor
-    that requires grad is refused (flowseam splits generation and rollouts; a training update
-    runs each sample's full sequence on one rank).
-
-``FLOW_RENOISE``: ``renoise(x0, noise, sigma) -> (1 - sigma) * x0 + sigma * noise``
-    Re-noising a predicted clean sample ``x0`` to noise level ``sigma`` with fresh standard
-    normal ``noise`` (the flow-matching forward process; diffusers
-    ``FlowMatchEulerDiscreteScheduler.scale_noise``, Self-Forcing's ``scheduler.add_noise``).
-    The few-step causal loop predicts ``x0`` with ``flow_match_step(x, v, sigma, 0)`` and
-    re-noises it to the next sigma of the chunk's schedule; FlowMatchEuler's
-    ``stochastic_sampling`` is the same pair of steps (diffusers'
-    ``x0 = x - sigma * v; (1 - sigma_next) * x0 + sigma_next * noise``). ``x0``, ``noise``: same shape; the
-    result has ``x0``'s dtype, the arithmetic is float32 or wider; ``sigma`` in [0, 1].
-
-Bad arguments (shape mismatch, sigma outside [0, 1], sigma_next > sigma, sigma == 1 without
-sigma_max for the SDE step, a per-sample sigma tensor) raise ``ValueError`` naming the value.
+Every kernel validates its arguments first with the ``check_*`` functions here (a bad argument
+raises ``ValueError`` naming it), takes one scalar sigma per call, accepts any float dtype and
+computes in float32 or wider (float64 for float64 input); its sample or output comes back in the
+first tensor's dtype (statistics such as a log-prob in the compute dtype), on that tensor's
+device. :mod:`flowseam.ops.eager` implements every contract in eager torch.
 """
 
 from __future__ import annotations
@@ -161,12 +21,41 @@ from typing import Any, NamedTuple
 
 from ..errors import InvalidInputError
 
+#: The Euler step of the flow ODE; contract: :func:`flowseam.ops.reference.flow_match_step`.
 FLOW_MATCH_STEP = "flow_match_step"
+#: Flow-GRPO's SDE step with its log-prob; contract: :func:`flowseam.ops.reference.flow_sde_step`.
 FLOW_SDE_STEP = "flow_sde_step"
+#: One UniPC step, its history explicit state; contract: :func:`flowseam.ops.reference.unipc_step`.
 UNIPC_STEP = "unipc_step"
+#: Scaled dot-product attention; contract: :func:`flowseam.ops.reference.attention`.
 ATTENTION = "attention"
+#: A chunk's attention over a KV cache; contract: :func:`flowseam.ops.reference.cached_attention`.
 CACHED_ATTENTION = "cached_attention"
+#: Re-noising to a sigma; contract: :func:`flowseam.ops.reference.flow_renoise`.
 FLOW_RENOISE = "flow_renoise"
+#: Self-attention over a sequence split across ranks. It is a collective, so it has no numpy
+#: oracle; its contract is here (the conformance suite runs it on 2 ranks and compares the
+#: joined halves with :func:`flowseam.ops.reference.attention` on the whole sequence):
+#:
+#: ``attn(q, k, v, *, group, attention, scale=None)``: self-attention over a sequence split
+#: across the ranks of the torch.distributed process group ``group`` (``N = group.size()``
+#: ranks). Rank ``r`` passes its contiguous shard, rows ``[r * S/N, (r + 1) * S/N)`` of q, k and
+#: v, each ``(B, heads, S/N, head_dim)`` (every rank the same shape), and gets back the same
+#: rows of the unsplit call, in ``q``'s dtype::
+#:
+#:     attention(cat_r(q_r), cat_r(k_r), cat_r(v_r), scale=scale)[:, :, r*S/N:(r+1)*S/N]
+#:
+#: ``attention`` is the platform's resolved ``ATTENTION`` kernel: an implementation that
+#: decomposes the call (Ulysses' all-to-all, DeepSpeed-Ulysses, Jacobs et al. 2023: trade the
+#: sequence split for a head split, attend, trade back) runs its full-sequence part with it; a
+#: fused one (ring attention, Liu et al. 2023) may ignore it. No mask (the split DiTs'
+#: self-attention has none). Every rank of ``group`` calls it with the same shapes (a
+#: collective). ``heads`` must be a multiple of ``N`` for an all-to-all implementation, which
+#: raises ``ValueError`` naming both otherwise; an implementation that runs any number of heads
+#: (ring attention) says so with the function attribute ``any_heads = True``, and flowseam then
+#: does not refuse such a split before loading. Forward only: a tensor that requires grad is
+#: refused (flowseam splits generation and rollouts; a training update runs each sample's full
+#: sequence on one rank). Arguments are checked with :func:`check_sequence_parallel_attention`.
 SEQUENCE_PARALLEL_ATTENTION = "sequence_parallel_attention"
 
 #: Every op flowseam defines a contract for. Plugins may register only these.
@@ -268,7 +157,7 @@ def check_sigmas(sigma: float, sigma_next: float, *, sde: bool, sigma_max: float
             f"noise_level={noise_level!r} must be finite and >= 0 (it scales the "
             "SDE step's std; 0 makes the step deterministic)")
     if noise_level == 0.0:
-        return  # the deterministic step: no std, no sigma_max needed (see FLOW_SDE_STEP)
+        return  # the deterministic step: no std, no sigma_max (see reference.flow_sde_step)
     if sigma == 1.0:
         if sigma_max is None:
             raise InvalidInputError(
@@ -391,7 +280,8 @@ def check_renoise(x0: Any, noise: Any, sigma: float) -> None:
 
 def check_unipc(sigma: float, sigma_next: float, state: "UniPCState", *, order: Any,
                 solver_type: str, shape: tuple | None = None) -> None:
-    """Validate the arguments of a ``UNIPC_STEP`` call (domain in :mod:`flowseam.ops`).
+    """Validate the arguments of a ``UNIPC_STEP`` call (the domain is in the contract,
+    :func:`flowseam.ops.reference.unipc_step`).
 
     :param shape: x's shape; the state's tensors must have it.
     :raises ValueError: naming the bad value and what is allowed.
@@ -461,7 +351,7 @@ def unipc_coefficients(s0: float, t: float, older: tuple, solver_type: str, *,
                        corrector: bool) -> UniPCCoefficients:
     """The scalars of a UniPC predictor (``corrector=False``: from ``s0`` to ``t``) or corrector
     (``corrector=True``: the update that lands on ``t``, recomputed with the model output at
-    ``t``), in Python float64, from the formulas in :mod:`flowseam.ops`.
+    ``t``), in Python float64, from the formulas of :func:`flowseam.ops.reference.unipc_step`.
 
     :param older: the sigmas of the earlier model outputs used, most recent first (length
         ``order - 1``).

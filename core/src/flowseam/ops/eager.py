@@ -2,11 +2,10 @@
 
 Backends register these functions as their kernels (the cpu backend for every op; the cuda
 backend for its ``generic`` rung, below the cupy kernels), so the one implementation is written
-once. Each follows the contract in :mod:`flowseam.ops` and is checked against the numpy float64
-oracle (:mod:`flowseam.ops.reference`) at C1: float32 inputs match within rtol = atol = 1e-5.
-Dtype rules (every backend's): the arithmetic is float32, float64 for float64 ``x``; the Euler
-step and the SDE sample come back in ``x``'s dtype, ``mean``, ``std`` and ``log_prob`` in the
-compute dtype.
+once. Each function follows the contract of its op, the docstring of the numpy float64 oracle of
+the same name in :mod:`flowseam.ops.reference`, and the dtype rules of :mod:`flowseam.ops`
+(arithmetic in :func:`compute_dtype`); each is checked against that oracle at C1
+(:data:`flowseam.ops.reference.TOLERANCES`).
 """
 
 from __future__ import annotations
@@ -59,7 +58,8 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
                   noise: torch.Tensor | None = None, prev_sample: torch.Tensor | None = None,
                   noise_level: float = 0.7, sigma_max: float | None = None,
                   generator: torch.Generator | None = None) -> SDEStepOutput:
-    """Flow-GRPO's SDE step with log-prob (formulas and shapes in :mod:`flowseam.ops`)."""
+    """Flow-GRPO's SDE step with log-prob (formulas and shapes:
+    :func:`flowseam.ops.reference.flow_sde_step`)."""
     sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v, noise, prev_sample)
     check_sigmas(sigma, sigma_next, sde=True, sigma_max=sigma_max, noise_level=noise_level)
@@ -87,10 +87,11 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
 
 def deterministic_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float,
                            prev_sample: torch.Tensor | None = None) -> SDEStepOutput:
-    """``flow_sde_step`` at ``noise_level == 0`` (contract in :mod:`flowseam.ops`): ``mean`` is
-    the Euler step in the compute dtype, ``sample`` that mean in x's dtype (or ``prev_sample``
-    as given), ``std`` 0 and ``log_prob`` 0 per sample. Arguments are assumed checked; every
-    backend may call this for its ``noise_level == 0`` case."""
+    """``flow_sde_step`` at ``noise_level == 0`` (contract:
+    :func:`flowseam.ops.reference.flow_sde_step`): ``mean`` is the Euler step in the compute
+    dtype, ``sample`` that mean in x's dtype (or ``prev_sample`` as given), ``std`` 0 and
+    ``log_prob`` 0 per sample. Arguments are assumed checked; every backend may call this for
+    its ``noise_level == 0`` case."""
     ct = compute_dtype(x)
     mean = torch.add(x.to(ct), v.to(ct), alpha=sigma_next - sigma)
     sample = mean.detach().to(x.dtype) if prev_sample is None else prev_sample.to(x.dtype)
@@ -113,8 +114,8 @@ def unipc_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float
                state: UniPCState, *, order: int, solver_type: str = "bh2",
                corrector: bool = True) -> UniPCStepOutput:
     """One UniPC step (flow-matching data prediction, B(h) variants; formulas, state and domain
-    in :mod:`flowseam.ops`). x, v: (B, ...) any float dtype; the sample comes back in x's dtype,
-    the stored data predictions in the compute dtype. Matches diffusers'
+    in :func:`flowseam.ops.reference.unipc_step`). x, v: (B, ...) any float dtype; the sample
+    comes back in x's dtype, the stored data predictions in the compute dtype. Matches diffusers'
     ``UniPCMultistepScheduler.step`` with ``use_flow_sigmas=True``."""
     sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v)
@@ -153,7 +154,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None,
                      scale: float | None = None) -> torch.Tensor:
     """Chunk attention over a KV cache: SDPA of q ``(B, heads, Lq, D)`` over ``cat(cache_k, k)``
-    and ``cat(cache_v, v)`` (contract in :mod:`flowseam.ops`)."""
+    and ``cat(cache_v, v)`` (contract: :func:`flowseam.ops.reference.cached_attention`)."""
     check_cached_attention(q, k, v, cache_k, cache_v)
     if cache_k is not None and cache_k.shape[2]:
         k, v = torch.cat([cache_k, k], dim=2), torch.cat([cache_v, v], dim=2)
@@ -166,8 +167,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     arXiv:2309.14509): q/k/v ``(B, H, S/N, D)``, this rank's rows of the sequence, are traded
     for ``(B, H/N, S, D)``, this rank's ``H/N`` heads over the whole sequence (one
     ``all_to_all_single`` each), ``attention`` runs on those, and one more all-to-all trades the
-    result back to ``(B, H, S/N, D)`` (contract in :mod:`flowseam.ops`). Bytes moved per rank
-    and call: ``4 * (N-1)/N * B*H*(S/N)*D * itemsize`` sent (and as many received).
+    result back to ``(B, H, S/N, D)`` (contract: :data:`flowseam.ops.SEQUENCE_PARALLEL_ATTENTION`).
+    Bytes moved per rank and call: ``4 * (N-1)/N * B*H*(S/N)*D * itemsize`` sent (and as many
+    received).
 
     :raises ValueError: heads not a multiple of N, q/k/v of different lengths, or grad.
     """

@@ -1,43 +1,14 @@
 """CLIP-family scorers: ``clip_score``, ``pickscore`` and ``aesthetic``.
 
-Each loads a CLIP model from a local directory in the model's published layout, the files
-``transformers.CLIPModel.from_pretrained(dir)`` and its processor read: ``config.json`` (a
-``"model_type": "clip"`` config), the weights (``model.safetensors``, or a sharded
-``model.safetensors.index.json``; ``pytorch_model.bin`` is read with ``weights_only=True``), and
-for the processor ``preprocessor_config.json`` (or transformers 5's ``processor_config.json``) plus
-the tokenizer (``tokenizer.json``, or ``vocab.json`` with ``merges.txt``). Nothing is downloaded.
-The directory is checked before anything loads: a missing directory or file raises
-:class:`~flowseam.errors.InvalidInputError` naming the path, the missing files and what is
-expected.
-
-The scores, each per image (a video scores the mean over its sampled frames):
-
-* ``clip_score`` (:class:`ClipScore`): CLIPScore, ``scale * max(cos(E_I, E_C), 0)`` with the
-  default ``scale = 100`` of torchmetrics' ``CLIPScore`` (``torchmetrics.functional.multimodal.
-  clip_score``: ``max(100 * cos(E_I, E_C), 0)``); Hessel et al., "CLIPScore: A Reference-free
-  Evaluation Metric for Image Captioning", EMNLP 2021, define ``CLIP-S = w * max(cos, 0)`` with
-  ``w = 2.5`` (``scale=2.5``). ``E_I``/``E_C`` are CLIP's projected image and text embeddings
-  (``get_image_features``/``get_text_features``).
-* ``pickscore`` (:class:`PickScore`): PickScore (Kirstain et al., "Pick-a-Pic: An Open Dataset of
-  User Preferences for Text-to-Image Generation", NeurIPS 2023; the inference snippet of
-  github.com/yuvalkirstain/PickScore): ``scale * logit_scale.exp() * cos(E_I, E_C)``, not
-  clamped, with ``scale = 1`` by default. Flow-GRPO's ``PickScoreScorer`` divides by 26
-  ("norm to 0-1"): ``scale = 1/26`` reproduces it. PickScore_v1's directory holds the model only;
-  its processor is that of ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, named by ``processor``.
-* ``aesthetic`` (:class:`AestheticScore`): the LAION aesthetic predictor
-  (github.com/christophschuhmann/improved-aesthetic-predictor, ``simple_inference.py``; the
-  weights ``sac+logos+ava1-l14-linearMSE.pth``): a linear MLP (no activations) 768 → 1024 → 128 →
-  64 → 16 → 1 on the L2-normalised CLIP ViT-L/14 image embedding, as Flow-GRPO's
-  ``AestheticScorer`` runs it with transformers' ``CLIPModel`` and ``CLIPProcessor``. The head is
-  read with ``torch.load(weights_only=True)`` or from safetensors, never unpickled.
-
-Images: frames are quantised to uint8 as ``round(x * 255)`` after clipping to [0, 1] (Flow-GRPO's
-conversion) and preprocessed by the directory's CLIP image processor on its PIL backend (bicubic
-resize of the shortest edge, centre crop, CLIP mean/std), the backend the published scorers ran.
-Prompts are tokenized with truncation to the text model's ``max_position_embeddings`` (77 for the
-published models), as PickScore's snippet does.
-
-The module imports neither torch nor transformers: they load when a scorer is built.
+Each loads a CLIP model with transformers' ``CLIPModel`` from a local directory in the model's
+published layout (nothing is downloaded; the directory is checked before anything loads, and
+nothing is unpickled), and scores each image as its published code does, the source named in its
+class: CLIPScore (:class:`ClipScore`), PickScore (:class:`PickScore`) or the LAION aesthetic
+predictor (:class:`AestheticScore`); a video scores the mean over its sampled frames. Frames are
+quantised to 8 bits and preprocessed by the directory's own CLIP image processor, as the
+published scorers ran. The module imports neither torch nor transformers: they load when a
+scorer is built. The files each needs, the formulas and the arguments: docs/rewards.md
+("CLIP-family scorers").
 """
 
 from __future__ import annotations
@@ -232,7 +203,9 @@ class _ClipScorer:
 
     # -- embeddings ------------------------------------------------------------------------------
     def image_embeddings(self, images: np.ndarray):
-        """L2-normalised CLIP image embeddings.
+        """L2-normalised CLIP image embeddings. The images are preprocessed by the directory's
+        CLIP image processor on its PIL backend (bicubic resize of the shortest edge, centre
+        crop, CLIP's mean and std), the backend the published scorers ran.
 
         :param images: ``(N, H, W, 3)`` uint8 RGB.
         :returns: ``torch.Tensor (N, D)`` float32 on the scorer's device (D: the projection dim).
@@ -468,7 +441,10 @@ def load_aesthetic_head(path, embed_dim: int = 768) -> dict:
 class AestheticScore(_ClipScorer):
     """``aesthetic``: the LAION aesthetic predictor, its linear MLP (768 → 1024 → 128 → 64 → 16 →
     1, dropout off) on the L2-normalised CLIP ViT-L/14 image embedding, per frame; the mean over a
-    video's sampled frames, on the AVA rating scale (1-10). The prompt is not used.
+    video's sampled frames, on the AVA rating scale (1-10). The prompt is not used. Source:
+    github.com/christophschuhmann/improved-aesthetic-predictor (``simple_inference.py``), run as
+    Flow-GRPO's ``AestheticScorer`` runs it, with transformers' ``CLIPModel`` and
+    ``CLIPProcessor``.
 
     :param model: the CLIP ViT-L/14 directory (the files of ``openai/clip-vit-large-patch14``).
     :param head: the MLP's weights, ``sac+logos+ava1-l14-linearMSE.pth`` (read with

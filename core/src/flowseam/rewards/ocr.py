@@ -1,32 +1,15 @@
 """``ocr``: Flow-GRPO's text-rendering reward, read by PaddleOCR's PP-OCRv4 recognizer.
 
-The reward asks whether an image shows the text its prompt quotes. It follows Flow-GRPO's
+The reward asks whether an image shows the text its prompt quotes, and follows Flow-GRPO's
 ``OcrScorer`` (``flow_grpo/ocr.py`` in github.com/yifan123/flow_grpo; Liu et al., "Flow-GRPO:
-Training Flow Matching Models via Online RL", 2025) step by step:
-
-1. target: the text between the prompt's first pair of double quotes (``prompt.split('"')[1]``;
-   flowseam extends this to the whole prompt when it has no double quote), spaces removed,
-   lower-cased;
-2. recognized: every text line the recognizer returns with a confidence above 0, joined in
-   reading order, spaces removed, lower-cased (flowseam removes every whitespace character, not
-   only ``" "``: the Chinese-English PP-OCRv4 recognizer that rapidocr ships reads a wide margin
-   as the ideographic space U+3000, which Flow-GRPO's English PaddleOCR model never emits);
-3. distance d = 0 when the target occurs in the recognized text (extra characters around it are
-   not penalised), else the Levenshtein distance between the two; d is capped at len(target);
-4. reward = 1 - d / len(target), in [0, 1].
-
-Recognition runs through ``rapidocr-onnxruntime`` (the ``flowseam[ocr]`` extra), whose wheel ships
-the PP-OCRv4 ONNX models: nothing is downloaded. By default only the recognizer runs
-(``use_det=False``): the whole frame is read as one text line, batched over frames and samples,
-which suits small images with one word on them; ``use_det=True`` adds PP-OCRv4's text detector
-(one frame at a time) for larger images whose text is somewhere in the scene.
-
-Differences from Flow-GRPO, each deliberate: a prompt without double quotes is scored against the
-whole prompt (Flow-GRPO raises ``IndexError``); an empty target (``'""'``) scores NaN, the
-reward contract's "cannot score this sample" (Flow-GRPO divides by zero), so the method skips that
-sample's group and warns; an OCR failure raises (Flow-GRPO prints it and scores 0), so the method
-names the reward instead of training on a silent zero; frames are handed to the recognizer in
-BGR order, the order PaddleOCR's models read (Flow-GRPO passes RGB arrays).
+Training Flow Matching Models via Online RL", 2025) step by step: the target
+(:func:`ocr_target`) and the recognized text are normalised alike (:func:`normalize_text`), and
+the score is ``1 - d / len(target)`` with d their edit distance, 0 when the target occurs in
+the recognized text (:func:`ocr_score`). Recognition runs through ``rapidocr-onnxruntime`` (the
+``flowseam[ocr]`` extra), whose wheel ships the PP-OCRv4 ONNX models: nothing is downloaded.
+Each departure from Flow-GRPO is deliberate and said where it is made: a prompt without quotes,
+an empty target, an OCR failure (which raises rather than score a silent 0), the colour order.
+For users: docs/rewards.md ("OCR").
 """
 
 from __future__ import annotations
@@ -42,7 +25,10 @@ from ..errors import InvalidInputError
 
 def normalize_text(text: str) -> str:
     """``text`` with every whitespace character removed (``str.split``'s: spaces, tabs, U+3000,
-    ...), lower-cased: Flow-GRPO's normalisation of both sides, which removes ``" "``."""
+    ...), lower-cased: Flow-GRPO's normalisation of both sides, which removes ``" "`` only.
+    flowseam removes every whitespace character because the Chinese-English PP-OCRv4 recognizer
+    that rapidocr ships reads a wide margin as the ideographic space U+3000, which Flow-GRPO's
+    English PaddleOCR model never emits."""
     return "".join(text.split()).lower()
 
 
@@ -50,8 +36,9 @@ def ocr_target(prompt: str) -> str:
     """The text ``prompt`` asks to be rendered, normalised (:func:`normalize_text`).
 
     The text after the prompt's first double quote up to the next one (``prompt.split('"')[1]``,
-    as Flow-GRPO reads it); the whole prompt when it has no double quote. ``'a sign that says
-    "Hello World"'`` → ``"helloworld"``; ``'a sign that says ""'`` → ``""``.
+    as Flow-GRPO reads it); the whole prompt when it has no double quote (where Flow-GRPO raises
+    ``IndexError``). ``'a sign that says "Hello World"'`` → ``"helloworld"``; ``'a sign that says
+    ""'`` → ``""``.
     """
     return normalize_text(prompt.split('"')[1] if '"' in prompt else prompt)
 
@@ -75,7 +62,8 @@ def ocr_score(target: str, recognized: str) -> float:
     """Flow-GRPO's OCR reward of ``recognized`` text for ``target`` (both normalised already):
     1 - min(d, len(target)) / len(target), with d = 0 when ``target`` occurs in ``recognized``
     and the Levenshtein distance (:func:`edit_distance`) otherwise. NaN for an empty target
-    (nothing to read, so the sample cannot be scored)."""
+    (nothing to read, so the sample cannot be scored: the reward contract's NaN, which makes the
+    method skip that sample's group and warn, where Flow-GRPO divides by zero)."""
     if not target:
         return float("nan")
     d = 0 if target in recognized else edit_distance(recognized, target)
@@ -95,6 +83,8 @@ def _check_int(name: str, value, low: int, high: int | None = None, allow_none: 
 
 class OcrReward:
     """Flow-GRPO's OCR reward (see the module docstring for the formula and its source).
+    An OCR failure raises (Flow-GRPO prints it and scores 0), so the method names the reward
+    instead of training on a silent zero.
 
     ``reward(prompts, outputs)``: ``prompts`` is ``list[str]`` of length B, ``outputs`` an array
     ``(B, F, H, W, 3)`` (or ``(B, H, W, 3)``, one frame) float in [0, 1], RGB; returns
@@ -139,7 +129,8 @@ class OcrReward:
     # -- recognition ----------------------------------------------------------------------------
     @staticmethod
     def _to_bgr_uint8(images) -> list[np.ndarray]:
-        """``(N, H, W, 3)`` float RGB in [0, 1] (or a list of ``(H, W, 3)``) → uint8 BGR frames."""
+        """``(N, H, W, 3)`` float RGB in [0, 1] (or a list of ``(H, W, 3)``) → uint8 BGR frames:
+        the order PaddleOCR's models read (Flow-GRPO passes RGB arrays)."""
         out = []
         for i, img in enumerate(images):
             x = np.asarray(img)
@@ -152,7 +143,11 @@ class OcrReward:
         return out
 
     def _read(self, frames_bgr: list[np.ndarray]) -> list[str]:
-        """Recognized text per frame, lines with confidence > 0 joined (not yet normalised)."""
+        """Recognized text per frame, lines with confidence > 0 joined in reading order (not yet
+        normalised). Without ``use_det`` the whole frame is read as one text line, batched over
+        frames and samples, which suits small images with one word on them; with it, PP-OCRv4's
+        detector finds the lines first (one frame at a time), for larger images whose text is
+        somewhere in the scene."""
         if not frames_bgr:
             return []
         if self.use_det:

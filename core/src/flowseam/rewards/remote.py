@@ -2,10 +2,11 @@
 ``reward = "http://127.0.0.1:PORT/NAME"`` in a training config builds (with ``reward_args`` as
 its keyword arguments).
 
-It follows the reward contract of :mod:`flowseam.rewards.spec` like an in-process reward, so a
-training method cannot tell the two apart: the same samples get the same scores, because the
+It follows the reward contract (:class:`flowseam.seam.RewardFunction`) like an in-process reward,
+so a training method cannot tell the two apart: the same samples get the same scores, because the
 default wire format (safetensors, :mod:`flowseam.rewards.wire`) carries the float32 frames
-exactly. Requests go through ``httpx``, JSON only — never pickle.
+exactly. Requests go through ``httpx``, JSON only — never pickle. Its arguments, retries and
+errors, for users: docs/rewards.md ("Reward server").
 """
 
 from __future__ import annotations
@@ -32,23 +33,21 @@ class RemoteReward:
     """A reward scored by a reward server: ``RemoteReward("http://127.0.0.1:8100/ocr")(prompts,
     outputs) -> torch.Tensor (B,) float32`` (NaN where the reward cannot score a sample).
 
-    Nothing is sent until the first call (or the first read of :attr:`modality`): then the
-    server's description (``GET url``) is read once, for the reward's modality and the server's
-    ``max_batch``; every batch of at most ``batch_size`` samples is one ``POST url``.
-
-    Each request has ``timeout`` seconds (to connect, and between bytes of the answer). A request
-    that fails to connect or send, or gets a 5xx answer other than a reward fault, is tried
-    again, ``retries`` times at most, after ``backoff``, ``2 * backoff``, ``4 * backoff``, ...
-    seconds. A request the server took but did not answer within ``timeout`` is not: the server
-    scores one request at a time, so a retry would only queue behind the one it is still
-    scoring; the error says to raise ``timeout``. A 4xx answer (a bad request, a wrong API key, a batch over the server's
-    ``--max-batch``) is not retried: the request itself is wrong.
+    Nothing is sent until the first call (or the first read of :attr:`modality`), which reads
+    the server's description (``GET url``) once, for the reward's modality and the server's
+    ``max_batch``; every batch of at most ``batch_size`` samples is then one ``POST url``.
 
     :param url: ``http://HOST:PORT/NAME`` or ``https://...``: the served reward's address.
     :param api_key: sent as ``Authorization: Bearer KEY`` (default: ``$FLOWSEAM_REWARD_API_KEY``,
         so the key need not be written into a config; none: no header).
-    :param timeout: seconds per request (finite, > 0).
-    :param retries: tries after the first (an integer >= 0).
+    :param timeout: seconds per request, to connect and between bytes of the answer (finite,
+        > 0). A request the server took but did not answer in time is not retried: the server
+        scores one request at a time, so a retry would only queue behind the one it is still
+        scoring; the error says to raise ``timeout``.
+    :param retries: tries after the first (an integer >= 0), for a request that fails to
+        connect or send, or gets a 5xx answer other than a reward fault. A 4xx answer (a bad
+        request, a wrong API key, a batch over the server's ``--max-batch``) is not retried: the
+        request itself is wrong.
     :param backoff: seconds before the first retry, doubled for each next one (finite, >= 0).
     :param batch_size: samples per request (an integer >= 1; default: the server's
         ``max_batch``).

@@ -2,24 +2,13 @@
 reward model with its own dependencies (or its own GPU) runs in its own process, and a training
 config names it as ``reward = "http://127.0.0.1:PORT/NAME"``.
 
-Routes (``NAME`` is the ``--reward`` served; the wire format is :mod:`flowseam.rewards.wire`):
-
-* ``POST /NAME``: score a batch: JSON ``{"prompts", "outputs"}`` → ``{"scores": [...]}``.
-* ``GET /NAME``: what is served: ``{"name", "modality", "plugin", "distribution", "version",
-  "max_batch", "formats"}``; the client reads the reward's ``modality`` (``"video"``, or
-  ``"audio"`` for a reward that scores waveforms) and ``max_batch`` from it.
-* ``GET /health``: ``{"status": "ok", "reward", "requests", "samples"}`` (the score requests and
-  samples answered so far); the only route that needs no API key.
-
-Security: loopback (``127.0.0.1``) by default; another ``--host`` only when asked, with a warning
-when it has no ``--api-key``. With a key every route but ``/health`` needs
-``Authorization: Bearer KEY`` (401 otherwise). Bodies are JSON only (415 for anything else, such
-as a pickle) and at most ``--max-body-mb`` (413, refused before it is read past the limit); a
-request of more samples than ``--max-batch`` gets 413 before any sample is decoded, and PNG or
-MP4 samples that would decode to more float32 values than that body limit holds get 413 as they
-are decoded. The reward is
-called by one request at a time (a reward model need not be thread-safe); decoding runs outside
-the event loop, so ``/health`` answers while a batch is scored.
+Three routes (:func:`build_app`): ``POST /NAME`` scores a batch in the wire format of
+:mod:`flowseam.rewards.wire`, ``GET /NAME`` describes the reward, ``GET /health`` counts what was
+scored. Safe by default: loopback unless ``--host`` says otherwise (with a warning when there is
+no ``--api-key``), JSON bodies only, and a body or batch over its limit refused before it is
+decoded. The reward is called by one request at a time (a reward model need not be thread-safe);
+decoding runs outside the event loop, so ``/health`` answers while a batch is scored. For users:
+docs/rewards.md ("Reward server").
 """
 
 # no ``from __future__ import annotations``: FastAPI reads the routes' ``Request`` annotations,
@@ -113,7 +102,20 @@ def provenance(name: str) -> dict[str, str]:
 def build_app(reward: Callable, name: str, *, max_batch: int = 64, api_key: str | None = None,
               max_body_bytes: int = 512 * 2**20, origin: dict[str, str] | None = None):
     """The FastAPI app that serves ``reward`` (a built reward: ``reward(prompts, outputs) ->
-    (B,)``) as ``name`` (see the module docstring for the routes and errors).
+    (B,)``) as ``name``, on three routes:
+
+    * ``POST /NAME``: score a batch: JSON ``{"prompts", "outputs"}`` → ``{"scores": [...]}``;
+    * ``GET /NAME``: what is served: ``{"name", "modality", "plugin", "distribution",
+      "version", "max_batch", "formats"}``; the client reads the reward's ``modality``
+      (``"video"``, or ``"audio"`` for a reward that scores waveforms) and ``max_batch`` from it;
+    * ``GET /health``: ``{"status": "ok", "reward", "requests", "samples"}`` (the score requests
+      and samples answered so far); the only route that needs no API key.
+
+    With ``api_key`` every other route needs ``Authorization: Bearer KEY`` (401 otherwise).
+    Bodies are JSON only (415 for anything else, such as a pickle) and at most
+    ``max_body_bytes`` (413, refused before the body is read past the limit); a request of more
+    samples than ``max_batch`` gets 413 before any sample is decoded, and PNG or MP4 samples that
+    would decode to more float32 values than the body limit holds get 413 as they are decoded.
 
     :param origin: the reward's ``{"plugin", "distribution", "version"}`` (what
         :func:`provenance` returns), named in descriptions and in reward-fault errors.

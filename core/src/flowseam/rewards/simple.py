@@ -1,9 +1,8 @@
 """flowseam's built-in toy rewards: ``constant``, ``brightness``, ``channel_contrast`` and
-``audio_rms`` (the contract they follow: :mod:`flowseam.rewards.spec`).
+``audio_rms`` (the contract they follow: :class:`flowseam.seam.RewardFunction`).
 
 A module of their own, with nothing but numpy and torch, because plugin discovery (which every
-``flowseam.load`` runs) imports it to register them; :mod:`flowseam.rewards.spec`, which
-builds and checks rewards for a training run, re-exports them.
+``flowseam.load`` runs) imports it to register them (:mod:`flowseam.training.builtin`).
 """
 
 from __future__ import annotations

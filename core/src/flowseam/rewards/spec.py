@@ -1,43 +1,15 @@
-"""Rewards: the contract, flowseam's built-in toy rewards, and how a training method builds, calls
-and checks the reward its config names.
+"""Rewards as a training method uses them: built from a config's spec, called with a deadline, and
+checked.
 
-**The contract.** A reward is ``reward(prompts: list[str], outputs: np.ndarray (B, F, H, W, 3)
-float32 in [0, 1]) -> torch.Tensor (B,)`` float32, one score per sample (a tensor, a numpy
-array or a list of numbers is taken too; shape ``(B, 1)`` is taken as ``(B,)``). A reward whose
-``modality`` attribute is ``"audio"`` scores sound instead: ``outputs`` is then the waveform
-``(B, channels, samples)`` in [-1, 1] of a model that makes it (LTX-2). NaN means "cannot score
-this sample": the method skips that sample's group (with a warning and a counter). A reward is
-registered through the ``flowseam_rewards`` hook as a callable or as a factory (a class), which
-is called with the config's ``reward_args`` keyword arguments; a factory checks its arguments
-(paths, files) in ``__init__`` before it loads anything heavy and raises
-:class:`~flowseam.errors.InvalidInputError` naming the value and what is allowed.
-
-**The reward spec** (``reward`` in every RL method's config), built by :func:`build_reward`:
-
-* ``reward = "NAME"``: a registered reward (``"plugin:NAME"`` picks one of several plugins that
-  register the same name); ``reward_args = {...}`` are its factory's keyword arguments;
-* ``reward = "http://HOST:PORT/NAME"`` (or ``https://``): a reward server
-  (``flowseam reward-serve``), scored through
-  :class:`flowseam.rewards.remote.RemoteReward` built with ``reward_args``;
-* ``reward = {ocr = 0.7, clip_score = 0.3}``: a weighted sum, ``total = Σ wᵢ·rᵢ`` per sample;
-  keys are names or URLs (TOML needs quotes for a URL key), weights finite numbers;
-  ``reward_args`` then holds one table per component (``reward_args = {ocr = {threads = 1}}``).
-  A NaN in any component makes that sample's total NaN. Each component's mean and std are logged
-  per step next to the total (:func:`flowseam.training.common.reward_summary`).
-
-Everything about the spec is checked when the method is constructed, before any model loads
-(:class:`~flowseam.errors.InvalidInputError`): an unknown name (the registered ones listed), a
-weight that is not a finite number, a URL that is not http(s), video and audio rewards mixed in one
-sum, ``reward_args`` for a name that is not a component (or for a reward that takes none), and
-whatever the reward factory's own ``__init__`` refuses.
-
-**Calls are checked** (:meth:`Reward.score`): a reward that raises, returns something that is not
-``(B,)`` numbers (another shape, strings, None, an infinity) or does not return within
-``reward_timeout`` seconds stops the run with a :class:`~flowseam.errors.RewardFaultError` naming
-the reward, the plugin that registered it (its distribution and version) and what it did; the
-original exception is ``__cause__``. NaN for every sample of a step is a fault too
-(:func:`check_scores`). Never a silent zero. A reward server that cannot be reached raises
-:class:`~flowseam.errors.RewardServerError`, which passes through unchanged.
+A reward follows the contract of :class:`flowseam.seam.RewardFunction`. :func:`build_reward`
+turns a config's ``reward`` (a registered name, a reward server's URL or a table of weights),
+``reward_args`` and ``reward_timeout`` into a :class:`Reward`, refusing a bad spec before any
+model loads (:class:`~flowseam.errors.InvalidInputError`). :meth:`Reward.score` calls each
+component on a worker thread with that deadline and checks what it returns: a reward that
+raises, returns something that is not one number per sample, runs past its timeout or can score
+none of a step's samples (:func:`check_scores`) stops the run with a
+:class:`~flowseam.errors.RewardFaultError` naming the reward and the plugin that registered it —
+never a silent zero. The user's side: docs/rewards.md ("Weighted sums, timeouts and errors").
 """
 
 from __future__ import annotations
@@ -147,7 +119,7 @@ class RewardScores:
 
 class Reward:
     """A reward as a training method calls it: one or a weighted sum of rewards, each call run
-    with a deadline and checked (module docstring). Built by :func:`build_reward` from a config's
+    with a deadline and checked (:meth:`score`). Built by :func:`build_reward` from a config's
     spec, or by :func:`as_reward` around a callable. Itself a reward by the contract: calling it
     returns the checked total ``(B,)`` float32.
 
@@ -420,7 +392,7 @@ def _component(key: Any, args: Any, weight: float = 1.0) -> RewardComponent:
 def build_reward(spec: Any, args: Mapping[str, Any] | None = None,
                  timeout: float = DEFAULT_REWARD_TIMEOUT) -> Reward:
     """The :class:`Reward` a config's ``reward``/``reward_args``/``reward_timeout`` name
-    (module docstring); every factory is built now (so what its ``__init__`` refuses is refused
+    (docs/rewards.md); every factory is built now (so what its ``__init__`` refuses is refused
     before any model loads).
 
     :param spec: ``"NAME"``, ``"plugin:NAME"``, ``"http(s)://HOST:PORT/NAME"``, or a mapping

@@ -1,35 +1,14 @@
 """The reward server's wire format: JSON bodies, the samples inside them as base64 — never pickle.
 
-A score request (``POST http://HOST:PORT/NAME``, ``Content-Type: application/json``)::
-
-    {"prompts": ["a sign that says \\"42\\"", ...],          # B strings
-     "outputs": {"format": "safetensors", "data": "<base64>"}}
-
-``outputs`` is one of three formats:
-
-* ``"safetensors"`` (the default of :class:`~flowseam.rewards.remote.RemoteReward`): ``data`` is a
-  safetensors file (base64) holding one tensor, ``"outputs"``: the frames ``(B, F, H, W, 3)`` in
-  [0, 1], or for an audio reward the waveforms ``(B, C, S)`` in [-1, 1], as float32 (or float64).
-  The server rebuilds exactly the array the client holds, so the server's scores are the
-  in-process scores, number for number.
-* ``"png"``: ``frames`` is a list of B lists of F PNG images (base64), 8-bit RGB, decoded to
-  ``uint8 / 255`` as float32. Lossless for frames that are already 8-bit (``round(x * 255) / 255``),
-  a quantisation to 1/255 otherwise: for clients that hold encoded images.
-* ``"mp4"``: ``videos`` is a list of B videos (base64, any codec PyAV decodes; every video
-  of one request with the same frame count and size), decoded to ``uint8 / 255`` as float32.
-  H.264 is lossy: for clients that hold encoded videos.
-
-The answer is ``{"scores": [s_0, ..., s_{B-1}]}``, one float per sample, ``null`` for a sample the
-reward cannot score (NaN in process). An error is ``{"error": {"type", "message", "field"}}``
-with its HTTP status: 400 (a bad field, named), 401 (a missing or wrong API key), 404 (a reward
-the server does not serve), 413 (more samples than ``--max-batch``, or a body over
-``--max-body-mb``), 415 (a body that is not JSON), 500 (``type: "reward_fault"``: the reward
-raised, or returned something that is not one score per sample; the message names the reward,
-its plugin and what it returned).
-
-This module is shared by the server (:mod:`flowseam.rewards.reward_server`) and the client
-(:mod:`flowseam.rewards.remote`); it imports numpy only (safetensors, Pillow and PyAV where a
-format needs them).
+A score request (``POST http://HOST:PORT/NAME``) is ``{"prompts": [...], "outputs": {"format":
+..., ...}}``, its samples in one of three formats: ``"safetensors"`` carries the float array
+itself, so the server's scores are the in-process scores, number for number; ``"png"`` and
+``"mp4"`` carry 8-bit media, for clients that hold encoded images or videos. The answer is
+``{"scores": [...]}``, ``null`` for a sample the reward cannot score (NaN in process); an error
+is ``{"error": {"type", "message", "field"}}`` with its HTTP status. Every field and status:
+docs/rewards.md ("Reward server"). Shared by the server (:mod:`flowseam.rewards.reward_server`)
+and the client (:mod:`flowseam.rewards.remote`); it imports numpy only (safetensors, Pillow and
+PyAV where a format needs them).
 """
 
 from __future__ import annotations
@@ -87,7 +66,11 @@ class _Budget:
 # -- the samples ---------------------------------------------------------------------------------
 def encode_outputs(outputs: np.ndarray, format: str = "safetensors", fps: float = 8.0) -> dict:
     """``outputs`` (frames ``(B, F, H, W, 3)`` float in [0, 1], or waveforms ``(B, C, S)`` for
-    ``safetensors``) as the request's ``outputs`` field.
+    ``safetensors``) as the request's ``outputs`` field: ``{"format": "safetensors", "data":
+    <base64 of a safetensors file holding one tensor, "outputs">}``, ``{"format": "png",
+    "frames": <B lists of F base64 PNGs>}`` or ``{"format": "mp4", "videos": <B base64
+    videos>}`` (H.264, lossy; the decoder takes anything PyAV decodes, every video of a request
+    with the same frame count and size).
 
     :param format: one of :data:`FORMATS`. ``png`` and ``mp4`` round the frames to 8 bits
         (``round(clip(x, 0, 1) * 255)``) and need ``(B, F, H, W, 3)``.
@@ -152,7 +135,8 @@ def decode_outputs(field: Any, batch: int, modality: str = "video",
 
 # -- requests and answers ------------------------------------------------------------------------
 def encode_request(prompts: list[str], outputs: np.ndarray, format: str = "safetensors") -> dict:
-    """The JSON body of a score request (see the module docstring)."""
+    """The JSON body of a score request: ``{"prompts": [B strings], "outputs":
+    encode_outputs(outputs, format)}``."""
     return {"prompts": [str(p) for p in prompts], "outputs": encode_outputs(outputs, format)}
 
 

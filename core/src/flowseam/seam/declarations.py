@@ -63,8 +63,8 @@ class KernelRegistration:
 
 @dataclass(frozen=True)
 class ConformanceExpectations:
-    """What :func:`~flowseam.seam.hookspecs.flowseam_conformance_expectations` returns: what a backend
-    promises flowseam's conformance suite beyond its declarations.
+    """What :func:`~flowseam.seam.hookspecs.flowseam_conformance_expectations` returns: what a
+    backend promises flowseam's conformance suite beyond its declarations.
 
     Every field is optional; ``None`` means "derive it from the declarations" (see each field).
 

@@ -2,19 +2,10 @@
 
 Each plugin is imported, registered with a pluggy ``PluginManager`` (which validates its hook
 signatures), checked for unknown hook names, asked for its declarations (backend, kernels,
-component kinds, methods, rewards) and, if it is a backend, for its availability. Anything that
-raises marks *that* plugin ``broken`` with its traceback; the others keep working.
-
-Environment:
-
-- ``FLOWSEAM_PLUGINS=a,b``: allow-list of entry-point names; every other plugin is ``blocked``.
-- ``FLOWSEAM_DISABLE_PLUGINS=a,b``: block-list.
-- ``FLOWSEAM_STRICT=1``: a broken plugin raises :class:`~flowseam.PluginLoadError` naming it
-  (``0/1``, ``false/true``, ``no/yes``, ``off/on``; any other value is refused, see
-  :func:`env_switch`).
-
-Discovery runs once per process (:func:`discover` caches); pass ``refresh=True`` after changing
-the environment or ``sys.path``.
+component kinds, methods, rewards) and, if it is a backend, for its availability, each step
+guarded by :mod:`.isolation`. Anything that raises marks *that* plugin ``broken`` with its
+traceback; the others keep working. :func:`scan` honours ``FLOWSEAM_PLUGINS``,
+``FLOWSEAM_DISABLE_PLUGINS`` and ``FLOWSEAM_STRICT``; :func:`discover` keeps one scan per process.
 """
 
 from __future__ import annotations
@@ -291,7 +282,8 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
 
 
 def _dtype_table(result: Any) -> dict[str, tuple[str, ...]]:
-    """``flowseam_component_dtypes()``'s mapping, every dtype checked (:mod:`flowseam.seam.dtypes`)."""
+    """``flowseam_component_dtypes()``'s mapping, every dtype checked
+    (:mod:`flowseam.seam.dtypes`)."""
     from .dtypes import dtype_name
 
     if result is None:
@@ -462,7 +454,15 @@ def _dist_version(ep: metadata.EntryPoint) -> str:
 
 
 def scan() -> PluginRegistry:
-    """Scan the entry-point group and load every plugin (uncached). Honors the environment."""
+    """Scan the entry-point group and load every plugin (uncached), honouring the environment:
+
+    - ``FLOWSEAM_PLUGINS=a,b``: allow-list of entry-point names; every other plugin is
+      ``blocked``.
+    - ``FLOWSEAM_DISABLE_PLUGINS=a,b``: block-list.
+    - ``FLOWSEAM_STRICT=1``: a broken plugin raises :class:`~flowseam.PluginLoadError` naming it
+      (``0/1``, ``false/true``, ``no/yes``, ``off/on``; any other value is refused, see
+      :func:`env_switch`).
+    """
     global DISCOVERY_SCANS
     DISCOVERY_SCANS += 1
     plugin_timeout()  # a bad FLOWSEAM_PLUGIN_TIMEOUT is an error before any plugin loads
@@ -532,7 +532,8 @@ _CACHE: PluginRegistry | None = None
 
 
 def discover(refresh: bool = False) -> PluginRegistry:
-    """The process-wide :class:`PluginRegistry` (scanned on first use, then cached).
+    """The process-wide :class:`PluginRegistry` (scanned on first use, then cached); pass
+    ``refresh=True`` after changing the environment or ``sys.path``.
 
     :raises PluginLoadError: in strict mode (``FLOWSEAM_STRICT=1``), if any plugin is broken.
     """

@@ -1,4 +1,4 @@
-"""The hooks a flowseam plugin may implement.
+"""The hooks a flowseam plugin may implement, each a documented contract.
 
 A plugin is a module (or object) exposed under the ``flowseam.plugins`` entry-point group::
 
@@ -6,14 +6,12 @@ A plugin is a module (or object) exposed under the ``flowseam.plugins`` entry-po
     mybackend = "flowseam_mybackend.plugin"
 
 whose functions are marked with :data:`flowseam.hookimpl`. Every hook is optional. Hooks are
-called while plugins are discovered and while a :class:`~flowseam.Platform` is built, once per
-plugin (``flowseam_conformance_expectations`` only by the conformance suite); they are never
-called during denoising. Each hook is called on *one plugin at a time*
-(the loader needs to know which plugin answered), so ``firstresult`` only matters to code that
-calls ``pm.hook.<name>(...)`` directly; it is stated for each hook all the same.
-
-An implementation whose name is not listed here, or that takes an argument its spec does not
-have, is rejected: the plugin is marked ``broken`` and skipped (an error in strict mode).
+called once per plugin, one plugin at a time (the loader needs to know which plugin answered),
+while plugins are discovered and while a :class:`~flowseam.Platform` is built, never during
+denoising (``flowseam_conformance_expectations`` only by the conformance suite); ``firstresult``
+is stated for code that calls ``pm.hook.<name>(...)`` directly. An implementation whose name is
+not listed here, or that takes an argument its spec lacks, marks the plugin ``broken`` (an error
+in strict mode).
 """
 
 from __future__ import annotations
@@ -85,8 +83,8 @@ def flowseam_register_kernels() -> Iterable[KernelRegistration] | None:
     firstresult: no — every plugin's registrations are collected.
 
     Called once at discovery. Each registration names an op, the arch rung it is written for and
-    the callable, which must follow the op's contract in :mod:`flowseam.ops`. The kernels run on
-    the backend's declared device. One plugin may register an (op, arch) pair once; two plugins
+    the callable, which must follow the op's contract (:mod:`flowseam.ops.reference`: the
+    docstring of the op's oracle). The kernels run on the backend's declared device. One plugin may register an (op, arch) pair once; two plugins
     of the same device registering the same (op, arch) are a conflict, won by the higher
     ``priority`` and then the smaller plugin name, and reported in ``platform.conflicts``.
 

@@ -1,30 +1,13 @@
 """Running a plugin's code at discovery so that it cannot hang, kill or corrupt the host process.
 
 Discovery imports each plugin and calls its declaration hooks in this process (the kernels and
-components it returns are used here). Each of those steps runs through :func:`run_plugin_code`:
-
-* **Timeout.** The code runs on a daemon thread; the host waits at most
-  ``FLOWSEAM_PLUGIN_TIMEOUT`` seconds (default 60; ``0`` waits forever). A plugin that does not
-  finish in time is reported ``broken`` ("did not finish ... within 60 s") and skipped; its
-  thread is left running in the background (Python cannot stop a thread) and dies with the
-  process. torch is imported before any plugin, so a hung plugin never holds torch's import lock.
-* **``os._exit``.** While plugin code runs, ``os._exit`` is replaced by a function that raises
-  :class:`PluginExitError` (a ``SystemExit``) in the plugin's thread: the plugin is reported
-  ``broken`` ("called os._exit(3)") and the process lives on. ``sys.exit`` already raised
-  ``SystemExit``. If another thread calls ``os._exit`` meanwhile, flowseam names the plugin being
-  loaded on stderr and lets the process exit.
-* **stdout.** Whatever plugin code prints goes to stderr, so ``flowseam backends --json`` (and
-  any other machine-read stdout) stays valid.
-* **torch globals.** :func:`patch_watch` compares torch's public functions, ``torch.Tensor`` and
-  ``torch.nn.Module`` methods and the global flags (default dtype, grad mode, deterministic
-  algorithms, TF32, matmul precision) before and after the plugin's code; anything it replaced
-  (``torch.nn.functional.scaled_dot_product_attention = ...``) is recorded on the plugin
-  (``PluginRecord.patches``) and shown by ``flowseam backends`` and ``platform.explain()``. The
-  plugin still loads: patching is reported, not refused.
-
-What this cannot catch: a plugin that kills the process by other means (``os.kill(os.getpid(),
-SIGKILL)``, a segfault in a C extension) or blocks while holding the GIL. Run ``flowseam
-backends`` in a separate process to vet an untrusted package first.
+components it returns are used here), each through :func:`run_plugin_code`: on a daemon thread
+that the host waits for at most ``FLOWSEAM_PLUGIN_TIMEOUT`` seconds, with ``os._exit`` turned
+into :class:`PluginExitError` and ``print()`` sent to stderr; a plugin that trips a guard is
+``broken`` and the host goes on. :func:`patch_watch` records the torch globals a plugin's code
+replaced: patching is reported, not refused. What each guard does, and what none can catch (a
+segfault, ``SIGKILL``, a call that blocks holding the GIL): docs/writing-a-backend.md,
+"Discovery cannot hang, kill or corrupt the host".
 """
 
 from __future__ import annotations
@@ -71,6 +54,12 @@ def plugin_timeout() -> float | None:
 def run_plugin_code(fn: Callable[[], Any], what: str, timeout: float | None) -> Any:
     """``fn()`` on a daemon thread, with stdout sent to stderr and ``os._exit`` turned into
     :class:`PluginExitError`; returns its result or re-raises its exception.
+
+    Code that does not finish in time is left running in the background (Python cannot stop a
+    thread) and dies with the process; discovery imports torch before any plugin, so such a
+    thread never holds torch's import lock. ``os._exit`` called in the plugin's thread raises
+    :class:`PluginExitError` there (a ``SystemExit``, as ``sys.exit`` raises already); called by
+    another thread meanwhile, it names what was running on stderr and lets the process exit.
 
     :param what: what the code does, for messages (``"importing plugin 'x' (dist 1.0)"``).
     :raises PluginTimeoutError: if it has not finished after ``timeout`` seconds.
@@ -190,7 +179,13 @@ def patched(before: dict[str, dict[str, Any]] | None,
 @contextlib.contextmanager
 def patch_watch(record: Any, when: str) -> Iterator[None]:
     """Record on ``record.patches`` every torch global the code in the block replaced, as
-    ``"<name> (<when>)"``. Reporting only: nothing is undone or refused."""
+    ``"<name> (<when>)"``. Reporting only: nothing is undone or refused.
+
+    Watched: the public functions of ``torch``, ``torch.nn.functional``, ``torch.nn.init`` and
+    ``torch.linalg``, the methods of ``torch.Tensor`` and ``torch.nn.Module``, and the global
+    flags (default dtype, grad mode, deterministic algorithms, TF32, matmul precision, cuDNN).
+    ``flowseam backends`` and ``platform.explain()`` show what a plugin replaced
+    (``PluginRecord.patches``)."""
     before = torch_snapshot()
     try:
         yield

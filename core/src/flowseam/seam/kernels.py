@@ -1,9 +1,9 @@
 """KernelTable: the op → implementation choices of one Platform, resolved once.
 
 Resolution walks the platform's device chain (e.g. ``accel → cpu``) and, within each device, its
-arch chain (e.g. ``sm90 → sm80 → generic``); the first registered implementation wins. Within one
-(op, device, arch) slot, several plugins are a *conflict*: the higher backend priority wins, then
-the smaller plugin name; the losers stay pinnable and the conflict is reported.
+arch chain (e.g. ``sm90 → sm80 → generic``); the first registered implementation wins. Within
+one (op, device, arch) slot, several plugins are a *conflict*: the higher backend priority wins,
+then the smaller plugin name; the losers stay pinnable and the conflict is reported.
 
 ``get`` and ``pin`` are dictionary lookups; they never call pluggy.
 """

@@ -1,20 +1,15 @@
 """Loading a diffusers model in another dtype than its safetensors files store, one copy at a time.
 
-``ModelMixin.from_pretrained(path, torch_dtype=torch.bfloat16)`` maps the float32 file (safetensors'
-memory map), then converts tensor by tensor: every converted tensor stays, and so does every
-file page the conversion touched until the whole file is unmapped at the end — a peak of the
-float32 file plus the bfloat16 model (for Wan2.1-T2V-1.3B 5.7 + 2.8 GB; for the 14B's 57 GB
-file, 85 GB). :func:`load_converted` builds the same model (the class on the meta device, then
-each tensor set in place, keep-in-float32 modules in float32: diffusers'
-``load_model_dict_into_meta`` rule) converting each tensor straight from the memory map into the
-model's tensor and then dropping that tensor's file pages from the process (``madvise
-MADV_DONTNEED``: they stay in the kernel's page cache), so the peak is the converted model plus
-one tensor's pages.
-
-A load that needs no conversion (the file's dtype is the target) keeps diffusers' own path: its
-memory map is already a single copy. Layouts this loader does not read (``.bin`` weights,
-variants, deprecated attention-block keys diffusers renames on load) also go to
-``from_pretrained``, which the caller falls back to when :func:`load_converted` returns None.
+``ModelMixin.from_pretrained(path, torch_dtype=torch.bfloat16)`` keeps every file page the
+conversion touched mapped until the end, so its peak is the whole stored file plus the converted
+model. :func:`load_converted` builds the same model (the class on the meta device, keep-in-float32
+modules in float32: diffusers' ``load_model_dict_into_meta`` rule), converting each tensor
+straight from the memory map and then dropping its file pages (``madvise MADV_DONTNEED``; they
+stay in the kernel's page cache), so the peak is the converted model plus one tensor's pages. A
+load that needs no conversion keeps diffusers' own path (its memory map is already one copy), and
+so do layouts this loader does not read (``.bin`` weights, variants, deprecated attention-block
+keys that diffusers renames on load): :func:`load_converted` returns None and the caller falls
+back to ``from_pretrained``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""The HTTP routes of ``flowseam serve`` (FastAPI, run by uvicorn). Each route validates, hands
-the work to the :class:`~.engine.Engine` and answers; none waits on a model except by awaiting a
-future, so the event loop never blocks on generation. Errors use OpenAI's envelope
-``{"error": {"message", "type", "param", "code"}}``.
+"""The HTTP routes of ``flowseam serve`` (FastAPI, run by uvicorn); docs/serving.md lists them.
 
-Routes: ``POST /v1/images/generations``, ``GET /v1/images/{image_id}/content``,
-``POST /v1/videos`` (JSON or multipart), ``GET /v1/videos``, ``GET /v1/videos/{id}``,
-``GET /v1/videos/{id}/content``, ``DELETE /v1/videos/{id}``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``, ``GET /`` (the web page).
-
-Security: with an API key every route but ``/health`` needs ``Authorization: Bearer KEY`` (what
-the ``openai`` SDK sends) or HTTP Basic with the key as the password (what a browser sends after
-``/`` asked for it, so the web page works with a key); a request body larger than the upload
-limit is refused with 413 before it is read; ids in paths are checked against the server's own
-form before any lookup, and files are found through the job table, never through a path built
-from the request.
+Each route validates, hands the work to the :class:`~.engine.Engine` and answers; none waits on a
+model except by awaiting a future, so the event loop never blocks on generation. Errors use
+OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``. Security sits in front of
+the routes: the API key (:class:`_Auth`: Bearer for the SDK, Basic for the web page), the body
+limit (:class:`_BodyLimit`: 413 before a larger body is read), and ids in paths checked against
+the server's own form (:func:`_check_id`); files are found through the job table, never through
+a path built from the request.
 """
 
 from __future__ import annotations

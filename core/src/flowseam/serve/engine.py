@@ -2,33 +2,14 @@
 progress, cancellation, failures, persistence and expiry. Knows nothing about HTTP (the routes in
 :mod:`.api_server` translate :class:`ServeError` into answers).
 
-Life of a job:
-
-1. :meth:`Engine.submit` checks the request with the model's card (``model.check``: a bad value is
-   a :class:`BadRequest` before anything is queued), refuses it with :class:`QueueFull` when the
-   model's queue holds ``max_queue`` jobs, writes a ``queued`` row and hands the work to the
-   model's :class:`ModelWorker`.
-2. The worker takes the oldest item and every queued item compatible with it (same model and
-   parameters apart from the seed, no conditioning image, at most ``max_batch`` samples in all)
-   and runs them as one loop run (:func:`flowseam.loops.run_loop`), the same loop and the same
-   parameters ``flowseam generate`` runs. The loop's step callback sets each job's progress from
-   the denoising steps done and stops the run at the next step boundary when every job in it was
-   cancelled or the server is stopping.
-3. The frames are written with :func:`flowseam.media.write_output` (atomic; the function
-   ``flowseam generate`` writes with) under the output directory, and the job becomes
-   ``completed``. A ``t2i-i2v`` workflow job is an image stage on the text-to-image model's worker
-   whose frames become the first frame of a video stage on the image-to-video model's worker.
-4. An exception (out-of-memory included) marks every job of the run ``failed`` with its reason;
-   the worker goes on with the next jobs. If a worker thread itself dies, every job it held is
-   failed and ``/health`` reports it. No job stays ``in_progress`` once its worker stopped
-   working on it.
-
-Decisions: a job that was queued or running when the server stopped is marked failed ("server
-restarted"), not re-queued: its client has usually given up, and re-running it would need the
-request's uploads kept on disk. Cancelling one job of a batched run drops its samples from the
-results at once (the job is gone from the API at the next step boundary), while the other jobs'
-samples finish; its memory is freed when the run ends. A run holding only cancelled jobs stops at
-the next step boundary and frees everything.
+:meth:`Engine.submit` checks a request with the model's card (a bad value is a :class:`BadRequest`
+before anything is queued) and queues it; the model's :class:`ModelWorker` runs it together with
+every compatible queued job as one :func:`flowseam.loops.run_loop` run, the loop and parameters
+``flowseam generate`` runs, and writes the frames with :func:`flowseam.media.write_output`. The
+loop's step callback is the one place a run is steered: it sets progress and stops the run at a
+step boundary once every job in it was cancelled or the server stops. No job stays
+``in_progress`` once its worker stopped working on it. The life of a job as a client sees it:
+docs/serving.md, "How jobs run".
 """
 
 from __future__ import annotations
@@ -179,7 +160,15 @@ class _Stop(Exception):
 
 
 class ModelWorker(threading.Thread):
-    """The one thread that runs a model's jobs, in order, batching compatible ones."""
+    """The one thread that runs a model's jobs, in order, batching compatible ones.
+
+    It takes the oldest item and every queued item with the same batch key (same model and
+    parameters apart from the seed; never one with a conditioning image), at most ``max_batch``
+    samples in all. An exception in a run (out of memory included) fails every job of that run
+    with its reason (:func:`describe_failure`) and the worker goes on with the next jobs. If the
+    thread itself dies (a bug in flowseam), every job it held is failed and
+    :meth:`Engine.healthy` reports it (``/health`` answers 503).
+    """
 
     def __init__(self, name: str, model: "ModelInstance", engine: "Engine") -> None:
         super().__init__(name=f"flowseam-worker-{name}", daemon=True)
@@ -448,7 +437,10 @@ class Engine:
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self) -> None:
-        """Mark jobs a previous server left unfinished as failed, start workers and expiry."""
+        """Mark jobs a previous server left unfinished as failed, start workers and expiry.
+
+        Unfinished jobs are failed ("server restarted"), not re-queued: their clients have
+        usually given up, and a re-run would need every request's uploads kept on disk."""
         self.restarted_jobs = self.store.fail_unfinished(
             "server restarted: the job was queued or running when the previous server stopped; "
             "submit it again")
@@ -547,6 +539,9 @@ class Engine:
 
     def _submit_workflow(self, req: JobRequest, job: Job, params: DiffusionParams,
                          seed: int) -> Job:
+        """Queue a ``t2i-i2v`` job: an image stage on the text-to-image model's worker, whose
+        frame becomes the first frame of a video stage queued on the image-to-video model's
+        worker (``then``). Both stages are checked now; progress counts the steps of both."""
         wf_id, workflow, t2i_id, i2v_id = self.workflow
         if req.image is not None:
             raise BadRequest(f"input_reference: the {wf_id} workflow draws its own first frame; "
@@ -672,6 +667,10 @@ class Engine:
     def delete(self, job_id: str) -> Job:
         """Cancel a queued or running job (it stops at the next step boundary) or delete a
         finished one's outputs. Either way the job is gone from the API.
+
+        A cancelled job that shares a batched run drops out of its results at once while the
+        other jobs' samples finish; its memory is freed when the run ends. A run whose every job
+        was cancelled stops at the next step boundary and frees everything.
 
         :raises NotFound: if there is no such job (or it is already gone).
         """

@@ -1,24 +1,13 @@
 """``GET /metrics``: the server's state in Prometheus' text format (through ``prometheus_client``).
 
-One registry per engine (never the library's global one, so two servers in one process do not
-mix). Exported families:
-
-* ``flowseam_queue_depth{model}``: jobs waiting for each model's worker (gauge, read at scrape);
-* ``flowseam_jobs{status}``: jobs in the job table per status (gauge, read at scrape);
-* ``flowseam_jobs_finished_total{model,status}``: jobs finished since start (counter);
-* ``flowseam_step_seconds{model}``: wall time of one denoising step, between consecutive step
-  callbacks of a loop run, whatever its batch size (histogram);
-* ``flowseam_batch_size{model}``: samples per loop run (histogram);
-* ``flowseam_worker_up{model}``: 1 while the model's worker thread runs (gauge);
-* ``flowseam_host_memory_rss_bytes`` / ``flowseam_host_memory_available_bytes``: this process's
-  resident memory and the machine's available memory (psutil);
-* ``flowseam_gpu_memory_allocated_bytes{device}`` / ``flowseam_gpu_memory_reserved_bytes{device}``:
-  torch's CUDA caching allocator per GPU (no samples on a machine without CUDA);
-* the standard ``process_*`` family (CPU seconds, open files, ...).
-
-The metrics read the server's state through what the engine hands them (its workers and its job
-counts, :class:`ServeMetrics`), never the engine itself: :mod:`flowseam.serve.engine` imports this
-module, and this module imports no other part of the server.
+One registry per engine, never the library's global one, so two servers in one process do not
+mix. The workers update the counter and histograms (:class:`ServeMetrics`: jobs finished, step
+seconds, batch size); the gauges (queue depth, jobs per status, worker up, host and CUDA memory)
+are read at each scrape, and the standard ``process_*`` family comes along. docs/serving.md
+lists every family. The metrics see the server only through what the engine hands them (its
+workers, :class:`WorkerState`, and its job counts), never the engine itself:
+:mod:`flowseam.serve.engine` imports this module, and this module imports no other part of the
+server.
 """
 
 from __future__ import annotations

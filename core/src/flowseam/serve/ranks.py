@@ -1,31 +1,13 @@
 """``flowseam serve --nproc N``: one HTTP server whose every generation is split over N ranks.
 
-Every rank loads the same models with the same :class:`~flowseam.Parallel` layout
-(:func:`flowseam.load`'s ``parallel``). Rank 0 runs the server (routes, queue, batching, job
-table) as with one process; the other ranks only follow: before rank 0 runs a loop, its
-:class:`RankRelay` sends the request to them, and each runs the same loop on the same request,
-so the split DiT's collectives meet. What travels is JSON (the model id, the prompts, the seeds,
-the :class:`~flowseam.DiffusionParams` as a dict) and the conditioning images' raw pixels, sent
-with ``torch.distributed.broadcast`` as bytes: no pickle, so a rank never unpickles what a client
-sent.
-
-* **One run at a time**: the relay holds a lock from sending a request to the end of its loop,
-  so the runs of several served models (each with its own worker thread on rank 0) reach the
-  other ranks in one order.
-* **Cancellation** and **server stop** end a run at a step boundary on every rank: the loop's
-  step callback is agreed between the ranks (:meth:`flowseam.parallel.ParallelGroups.agreed`);
-  a follower takes the :class:`~flowseam.parallel.ParallelStopError` and waits for the next run.
-* **Bad input** is checked on rank 0 before anything is sent; bad input that still arises in a
-  run (a request the split cannot divide) arises on every rank alike, before any rank
-  communicates: rank 0 fails the job, the followers go on.
-* **Any other failure** (a plugin fault, running out of memory) may strike one rank only, in
-  the middle of the DiT's collectives, where the others wait for it: no request can run after
-  it. The rank it struck stops the server (rank 0: the server shuts down and exits non-zero; a
-  follower: it exits), and torchrun stops the rest.
-* **Idle**: a collective waits at most the process group's timeout (30 minutes for gloo), so
-  while no request comes the relay sends a keep-alive every :data:`KEEPALIVE_S` seconds.
-* **A rank that dies** ends the server: torchrun stops every rank (``flowseam serve`` exits
-  non-zero naming the rank), and the job table marks what was running failed at the next start.
+Every rank loads the same models with the same :class:`~flowseam.Parallel` layout. Rank 0 runs
+the server as with one process; before it runs a loop, its :class:`RankRelay` sends the request
+to the other ranks, which :func:`follow` it and run the same loop, so the split DiT's collectives
+meet. What travels is JSON and the conditioning images' raw pixels, broadcast as bytes
+(:func:`send`): no pickle, so a rank never unpickles what a client sent. A stop every rank agrees
+on (a cancellation, the server stopping, bad input) leaves the ranks in step for the next run; a
+failure on one rank alone stops the server. Each case, as a user sees it: docs/serving.md,
+"Serving over several processes".
 """
 
 from __future__ import annotations
@@ -48,12 +30,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("flowseam.serve")
 
-#: seconds between keep-alive messages while no run is sent (well under gloo's 30 minutes)
+#: seconds between keep-alive messages while no run is sent: a follower waits in a collective,
+#: which fails after the process group's timeout (30 minutes for gloo)
 KEEPALIVE_S = 60.0
 
 
 class RankRelay:
     """Rank 0's side: :meth:`run` is :func:`flowseam.loops.run_loop` run on every rank.
+
+    One run at a time: a lock is held from sending a request to the end of its loop, so the runs
+    of several served models (each with its own worker thread on rank 0) reach the other ranks in
+    one order. While no run is sent, a keep-alive goes out every :data:`KEEPALIVE_S` seconds.
 
     :param models: served model id → model (the same ids, loaded in the same order, on every
         rank).
@@ -73,7 +60,14 @@ class RankRelay:
 
     def run(self, model: "ModelInstance", request: GenerationRequest, **kwargs: Any) -> Any:
         """Send ``request`` to the other ranks, then run it here: ``run_loop(model, request,
-        **kwargs)``'s result."""
+        **kwargs)``'s result.
+
+        A stop every rank agreed on (:func:`flowseam.parallel.agreed_stop`: a cancellation or
+        the server stopping, through the agreed step callback; bad input refused before any rank
+        communicated) ends this run only: the ranks stay in step for the next. Any other failure
+        (a plugin fault, out of memory) may have struck this rank alone, mid-collective, where the
+        others wait for it: the relay is then :attr:`broken`, :attr:`on_broken` shuts the server
+        down (exit status non-zero), and torchrun stops the other ranks."""
         from ..loops import run_loop
 
         with self._lock:
@@ -117,6 +111,10 @@ class RankRelay:
 def follow(models: dict[str, "ModelInstance"],
            run: Callable[..., Any] | None = None) -> int:
     """A rank above 0: run every request rank 0's :class:`RankRelay` sends, until it says stop.
+
+    A run every rank stopped together (a :class:`~flowseam.parallel.ParallelStopError` from the
+    agreed step callback, or bad input, which arises on every rank alike before any rank
+    communicates) is logged, and the follower waits for the next run; rank 0 answers the job.
 
     :returns: 0 after rank 0's stop.
     :raises Exception: what a run raised on this rank alone (not bad input, not a stop every

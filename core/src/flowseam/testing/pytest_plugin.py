@@ -1,40 +1,14 @@
 """flowseam's pytest plugin: run tests once per flowseam backend.
 
 Registered as the ``pytest11`` entry point ``flowseam`` of the ``flowseam`` distribution, so pytest
-loads it in every run of an environment where flowseam is installed. Importing it is cheap
-(pytest and the standard library only): plugins are discovered, and torch imported, only when a
-collected test asks for a backend.
-
-Option
-    ``--flowseam-backend NAME`` (repeatable, or comma-separated): the backends to test, by plugin
-    (entry-point) name, as ``flowseam backends`` lists them. Default: every installed backend, in
-    detection order (priority, then name). A name that is not installed is a usage error.
-
-Fixtures
-    ``flowseam_platform`` (session scope): a :class:`flowseam.Platform` for one backend. Every test
-    that uses it, directly or through another fixture, is parametrized over the selected
-    backends, with the backend name as its id (``test_generate[accel]``). A selected backend that
-    is unavailable, broken or blocked is skipped with its reason; set ``FLOWSEAM_STRICT=1`` to make
-    a broken plugin an error instead.
-
-    ``flowseam_registry`` (session scope): the :class:`flowseam.seam.discovery.PluginRegistry` the
-    backends were chosen from (its own scan, honouring ``FLOWSEAM_PLUGINS`` /
-    ``FLOWSEAM_DISABLE_PLUGINS``; the process-wide :func:`flowseam.discover` cache is not touched).
-
-Marker
-    ``@pytest.mark.flowseam_cases(cases=fn, empty="...")``: parametrize a test that takes
-    ``flowseam_platform`` and ``flowseam_case`` with cases that depend on the backend.
-    ``fn(backend: BackendChoice)`` yields ``(id, value)`` pairs; each becomes one test with the
-    id ``<backend>-<id>``. A usable backend with no cases gets one skipped test saying ``empty``.
-    The conformance suite uses it for "every kernel this backend registers". (Pass ``fn`` by
-    keyword: a marker called with a lone function would decorate that function instead.)
-
-Expected failures
-    For the tests of the conformance suite (:mod:`flowseam.testing.conformance`), the tests listed
-    in the backend's expected-failures file (``flowseam_conformance_expectations`` hook, see
-    :mod:`flowseam.testing.conformance.expectations`) are marked ``xfail(strict=True)``: they
-    must fail, and an unexpected pass fails the run. Entries that match no collected test are
-    reported as a warning.
+loads it in every run of an environment where flowseam is installed. Importing it is therefore
+cheap (pytest and the standard library only): plugins are discovered, and torch imported, only
+when a collected test asks for a backend. It adds the option ``--flowseam-backend``
+(:func:`pytest_addoption`), the session fixtures ``flowseam_platform`` (a test that takes it runs
+once per selected backend) and ``flowseam_registry``, the marker ``flowseam_cases`` for
+backend-dependent cases (:func:`pytest_generate_tests`), and the conformance suite's expected
+failures (:func:`pytest_collection_modifyitems`). For backend authors:
+docs/writing-a-backend.md, section 6.
 """
 
 from __future__ import annotations
@@ -57,7 +31,8 @@ class BackendChoice:
     :ivar name: the plugin's entry-point name (the test id).
     :ivar status: ``available``, ``unavailable``, ``broken`` or ``blocked``.
     :ivar reason: why it is not available (empty when it is).
-    :ivar record: its :class:`flowseam.seam.discovery.PluginRecord` (declarations: kernels, kinds, ...).
+    :ivar record: its :class:`flowseam.seam.discovery.PluginRecord` (declarations: kernels,
+        kinds, ...).
     """
 
     name: str
@@ -88,6 +63,10 @@ _STATE = pytest.StashKey[_State]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--flowseam-backend NAME`` (repeatable, or comma-separated): the backends to test, by
+    plugin (entry-point) name, as ``flowseam backends`` lists them. Default: every installed
+    backend, in detection order (priority, then name). A name that is not installed is a usage
+    error."""
     group = parser.getgroup("flowseam", "flowseam backends")
     group.addoption(
         "--flowseam-backend", action="append", dest="flowseam_backends", default=None,
@@ -175,13 +154,20 @@ def backend_expectations(config: pytest.Config, name: str) -> Any:
 
 @pytest.fixture(scope="session")
 def flowseam_registry(request: pytest.FixtureRequest) -> Any:
-    """The plugin registry the session's backends were chosen from."""
+    """The :class:`flowseam.seam.discovery.PluginRegistry` the session's backends were chosen
+    from: its own scan, honouring ``FLOWSEAM_PLUGINS`` / ``FLOWSEAM_DISABLE_PLUGINS`` (the
+    process-wide :func:`flowseam.discover` cache is not touched)."""
     return _state(request.config).registry
 
 
 @pytest.fixture(scope="session")
 def flowseam_platform(request: pytest.FixtureRequest) -> Any:
-    """A :class:`flowseam.Platform` for one selected backend (the test's id says which)."""
+    """A :class:`flowseam.Platform` for one selected backend (the test's id says which).
+
+    Every test that uses it, directly or through another fixture, is parametrized over the
+    selected backends, with the backend name as its id (``test_generate[accel]``). A selected
+    backend that is unavailable, broken or blocked is skipped with its reason; set
+    ``FLOWSEAM_STRICT=1`` to make a broken plugin an error instead."""
     name = getattr(request, "param", None)
     if name is None:
         raise pytest.UsageError("flowseam_platform is parametrized by flowseam's pytest plugin; "
@@ -208,6 +194,13 @@ def _explicitly_parametrized(metafunc: pytest.Metafunc) -> bool:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize every test that takes ``flowseam_platform`` over the selected backends.
+
+    With ``@pytest.mark.flowseam_cases(cases=fn, empty="...")`` the test also takes
+    ``flowseam_case``: ``fn(backend: BackendChoice)`` yields ``(id, value)`` pairs, each one test
+    with the id ``<backend>-<id>``; a usable backend with no cases gets one skipped test saying
+    ``empty``. The conformance suite uses it for "every kernel this backend registers". Pass
+    ``fn`` by keyword: a marker called with a lone function would decorate that function."""
     if "flowseam_platform" not in metafunc.fixturenames or _explicitly_parametrized(metafunc):
         return
     choices = selected_backends(metafunc.config)
@@ -254,6 +247,9 @@ def _in_conformance_suite(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: entries match against every test
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the conformance suite's tests (:mod:`flowseam.testing.conformance`) listed in their
+    backend's expected-failures file ``xfail(strict=True)``: they must fail, and an unexpected
+    pass fails the run. An entry that matches no collected test is a warning."""
     by_backend: dict[str, list[pytest.Item]] = {}
     for item in items:
         name = _backend_of(item)

@@ -2,23 +2,17 @@
 range-checked by one schema mechanism that every training method uses (third-party ones too).
 
 A method declares its config as a :class:`ConfigSection` (a pydantic model: strict types, unknown
-keys refused) whose fields are numbers with bounds, strings, lists and nested sections::
-
-    from flowseam.training.config import ConfigSection, PositiveFloat, PositiveInt, validate_config
-
-    class MyOptim(ConfigSection):
-        lr: PositiveFloat = 1e-4
+keys refused) of bounded numbers, strings, lists and nested sections::
 
     class MyConfig(ConfigSection):
         steps: PositiveInt = 10
-        optim: MyOptim = MyOptim()
+        optim: OptimSection = OptimSection()
 
     config = validate_config(MyConfig, {"steps": 5, "optim": {"lr": 3e-4}})  # a plain dict
 
-Strict means what the file says is what runs: ``steps = 1.5`` is not rounded, ``prompts = "a
-ball"`` is not a list of characters, ``lr = "1e-4"`` (YAML 1.1 reads that as a string) is not a
-number, ``lr = inf`` is not finite. Every error names the section and key, the value and what
-is allowed, before any model loads.
+Strict means what the file says is what runs: ``steps = 1.5`` is not rounded, ``lr = "1e-4"`` (a
+string in YAML 1.1) is not a number, ``lr = inf`` is not finite; every error names the section
+and key, the value and what is allowed, before any model loads.
 """
 
 from __future__ import annotations
@@ -248,8 +242,9 @@ class LoggingSection(ConfigSection):
 
 class RunConfig(ConfigSection):
     """The keys every training method's config has: how long, from which seed, where to write
-    (``metrics.jsonl``, ``checkpoints/``, ``run.json``), how often to checkpoint (0: never), and
-    what else logs the run (``[logging]``: :class:`LoggingSection`)."""
+    (``metrics.jsonl``, ``checkpoints/``, ``run.json``), how often to checkpoint (always at the
+    last step; 0: only then), and what else logs the run (``[logging]``: :class:`LoggingSection`).
+    docs/training.md ("Config keys") says what each key means."""
 
     steps: PositiveInt = 10
     seed: NonNegativeInt = 0

@@ -1,38 +1,14 @@
 """Data-parallel training on torch.distributed: the few points where a method meets the other ranks.
 
 A training method runs the same code on one process or on N ranks (``flowseam train --nproc N``,
-or the method's own command under ``torchrun``). It calls this module at exactly these points:
-
-1. **Platform** — :meth:`DataParallel.platform`: rank 0 resolves the Platform (plugin discovery,
-   kernel resolution) and every other rank receives its frozen ``to_dict()`` and rebuilds it with
-   :meth:`flowseam.Platform.from_dict`: no rank rediscovers plugins or resolves a kernel
-   differently.
-2. **Sharding** — :meth:`DataParallel.shard_groups` gives this rank its share of a step's
-   ``G`` groups × ``K`` samples; :meth:`DataParallel.shard_rows` its share of a batch. Seeds are
-   derived from (run seed, step, group, member), never from the rank, so N ranks roll out exactly
-   the samples one process would.
-3. **Gathering** — :meth:`Shard.gather` assembles the ``(G, K)`` rewards of every rank, so group
-   statistics (mean, std, advantages) are computed over whole groups, identically on every
-   rank; :meth:`DataParallel.sum` and :meth:`DataParallel.gather_objects` for counts and metrics.
-4. **Gradients** — :meth:`DataParallel.wrap` wraps the trainer's module once: DDP
-   (``DistributedDataParallel``, gradients averaged over ranks in the backward pass) or, with
-   ``fsdp``, FSDP2 ``fully_shard`` (parameters, gradients and optimizer state sharded over ranks;
-   every DiT block is its own unit). :meth:`DataParallel.accumulate` makes only the last
-   backward of an optimizer step communicate.
-5. **Writing** — only rank 0 (:attr:`DataParallel.is_main`) writes metrics and checkpoints;
-   every rank reads the checkpoint it resumes from.
-
-Backends: gloo for CPU tensors, nccl for CUDA tensors, chosen per tensor device by torch (the
-process group is created with both when CUDA is available); the code is the same. Each rank of a
-GPU run uses ``cuda:LOCAL_RANK``.
-
-Sharding rule (every rank gets the same number of samples *and* of rollout batches, so every
-rank runs the same number of DiT forwards — FSDP all-gathers parameters in each one):
-
-* ``K % N == 0``: every rank rolls out ``K / N`` members of *every* group (a small step — one
-  prompt, K = 8, on 8 GPUs — still spreads over all ranks);
-* else ``G % N == 0``: every rank rolls out ``G / N`` whole groups;
-* else: :class:`~flowseam.FlowseamError` naming G, K and N.
+or under ``torchrun``) and calls this module at five points (:class:`DataParallel` and its
+:class:`Shard`): **platform** (rank 0 resolves it, every other rank rebuilds its frozen
+``to_dict()``), **sharding** (this rank's share of a step's groups or rows, with seeds that never
+depend on the rank, so N ranks roll out the samples one process would), **gathering** (rewards
+over whole groups, so advantages are computed identically on every rank), **gradients** (DDP,
+or FSDP2 ``fully_shard`` with ``fsdp``) and **writing** (rank 0 alone). gloo carries CPU tensors
+and nccl CUDA tensors, with the same code; each rank of a GPU run uses ``cuda:LOCAL_RANK``.
+docs/scaling.md ("Data-parallel training") walks through each point.
 """
 
 from __future__ import annotations
@@ -171,8 +147,13 @@ class DataParallel:
 
     # -- 2. sharding ---------------------------------------------------------------------------
     def shard_groups(self, n_groups: int, group_size: int) -> Shard:
-        """This rank's share of ``n_groups`` groups of ``group_size`` samples (see the module
-        docstring for the rule).
+        """This rank's share of ``n_groups`` (G) groups of ``group_size`` (K) samples on N ranks.
+
+        Every rank gets the same number of samples *and* of rollout batches, so every rank runs
+        the same number of DiT forwards (FSDP all-gathers parameters in each one): if ``K % N ==
+        0``, every rank rolls out ``K / N`` members of *every* group (a small step, one prompt of
+        K = 8 on 8 GPUs, still spreads over all ranks); else, if ``G % N == 0``, ``G / N`` whole
+        groups. Seeds derive from (run seed, step, group, member), never from the rank.
 
         :raises FlowseamError: when neither ``group_size`` nor ``n_groups`` is a multiple of the
             world size.

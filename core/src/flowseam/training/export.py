@@ -1,22 +1,14 @@
 """A finished training run as a model that ``flowseam generate`` and diffusers load.
 
-For each trained stage, under its root (the run's ``output_dir``; ``output_dir/<stage>`` for each
-stage of a multi-model method such as ``workflow_rl``):
-
-``model/``
-    a diffusers-format checkpoint: every component of the checkpoint the stage was loaded from,
-    with the trained transformer in place of the original (a LoRA run's adapters merged into its
-    weights, as diffusers' ``fuse_lora`` + ``unload_lora`` do), and ``flowseam.json`` carrying the
-    base checkpoint's serving defaults plus a ``trained`` table (method, step, base checkpoint).
-    Load it with ``flowseam.load`` / ``flowseam generate --model`` or
-    ``DiffusionPipeline.from_pretrained``.
-``pytorch_lora_weights.safetensors`` (LoRA runs)
-    the adapters alone, written by the pipeline class's ``save_lora_weights`` exactly as
-    diffusers' LoRA training scripts write them (peft state dict, ``transformer.`` prefix, the
-    adapter config as metadata): ``pipe.load_lora_weights(root)`` on the base checkpoint.
-
-Both are written into a temporary sibling and renamed, so an interrupted export leaves the
-previous one (or none), never half of one.
+For each trained stage, under the run's ``output_dir`` (``output_dir/<stage>`` for each stage of
+a multi-model method such as ``workflow_rl``), :func:`export_model` writes ``model/``: a
+diffusers-format checkpoint, every component of the one the stage was loaded from with the
+trained transformer in its place (LoRA adapters merged, as diffusers' ``fuse_lora`` +
+``unload_lora`` do) and a ``flowseam.json`` that records the training. For a LoRA run,
+:func:`export_lora` also writes the adapters alone, as diffusers' LoRA training scripts do
+(``pytorch_lora_weights.safetensors``). Both are written into a temporary sibling and renamed,
+so an interrupted export leaves the previous one (or none), never half of one. What a user
+does with them: docs/training.md ("What a run writes").
 """
 
 from __future__ import annotations
@@ -95,7 +87,10 @@ def export_model(model: ModelInstance, states: dict[str, dict[str, torch.Tensor]
     """Write the directory ``target``: ``model``'s checkpoint with each trained component
     replaced, atomically. ``states`` maps a component name (``transformer``; a Wan2.2 model's
     ``transformer_2`` too) to its trained weights by parameter name (LoRA adapters are merged).
-    ``trained`` goes into ``flowseam.json``'s ``trained`` table.
+    ``flowseam.json`` holds the base checkpoint's serving defaults plus a ``trained`` table:
+    ``trained`` (method, step, ...) and ``base_model``, the base checkpoint's path. Load the
+    result with ``flowseam.load`` / ``flowseam generate --model`` or
+    ``DiffusionPipeline.from_pretrained``.
 
     :returns: ``target``.
     """
@@ -124,8 +119,9 @@ def export_model(model: ModelInstance, states: dict[str, dict[str, torch.Tensor]
 def export_lora(model: ModelInstance, state: dict[str, torch.Tensor], root: str | Path) -> Path:
     """Write ``root/pytorch_lora_weights.safetensors`` with the pipeline class's
     ``save_lora_weights`` (the adapters of ``state``, the DiT's: the file's ``transformer.``
-    keys name the pipeline's ``transformer``), atomically. A second DiT expert's adapters are
-    exported merged into its ``model/`` only.
+    keys name the pipeline's ``transformer``; peft's state dict, the adapter config as metadata),
+    atomically: ``pipe.load_lora_weights(root)`` applies it to the base checkpoint. A second DiT
+    expert's adapters are exported merged into its ``model/`` only.
 
     :raises FlowseamError: if the transformer has no LoRA adapters.
     """

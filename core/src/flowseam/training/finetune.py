@@ -3,36 +3,14 @@
 For data latents ``x0`` (the VAE mean, normalised as the DiT sees latents), noise ``ε`` and a
 random ``σ`` per sample (logit-normal, SD3's default, or uniform): ``x_σ = (1 - σ) x0 + σ ε`` and
 the DiT is trained to predict the velocity ``ε - x0`` at timestep ``σ·1000`` (Esser et al. 2024,
-"Scaling Rectified Flow Transformers", eq. 1-3; Lipman et al. 2023). The prompt is dropped
-(replaced by the empty string) with probability ``p_uncond`` so the model also learns the
-unconditional velocity that CFG needs.
+"Scaling Rectified Flow Transformers", eq. 1-3; Lipman et al. 2023). The prompt is dropped with
+probability ``p_uncond`` so the model also learns the unconditional velocity that CFG needs.
+Every example is encoded once, before the first step (:meth:`Finetune.prepare`); a step is one
+batched forward and backward of the DiT, each row drawing its dropout, noise and ``σ`` from its
+own seed, so its loss does not depend on its batch (or on the rank that computes it).
 
-Every example is encoded once, before the first step (VAE latents, prompt embeddings, and for
-image-to-video the image condition and image embeddings; :meth:`Finetune.prepare`); a step is one
-batched forward and backward of the DiT. Each row draws its prompt dropout, noise and ``σ`` from
-its own seed, so its loss does not depend on the batch it is in.
-
-Config::
-
-    model = "path/to/checkpoint"
-    data = "path/to/data.jsonl"   # lines {"prompt": "...", "image": "a.png"} or {"prompt": "...", "video": "v.npy"|"v.gif"|"v.mp4"}
-    steps = 100
-    batch_size = 4
-    seed = 0
-    output_dir = "runs/ft"        # metrics.jsonl, checkpoints/ (the last step's always), model/
-                                  # (the trained checkpoint, diffusers format) and, with [lora],
-                                  # pytorch_lora_weights.safetensors
-    checkpoint_every = 0          # 0: only the final checkpoint
-    [sampling] height, width, num_frames, guidance_scale (the guidance value Flux's embedding sees),
-               max_sequence_length (text tokens; sample with the same value)
-    [train]    p_uncond = 0.1, sigma_sampling = "logit_normal" | "uniform", max_grad_norm = 1.0,
-               lr_schedule = "constant" | "cosine" (linear warm-up, then cosine to 0), warmup_steps = 0
-    [optim]    lr, weight_decay, beta1, beta2, adam_eps
-    [distributed] fsdp = false (with --nproc N / torchrun; see flowgrpo)
-
-Data parallelism (``--nproc N`` / torchrun): every rank draws the same batch of ``batch_size``
-examples and computes the loss of its ``batch_size / N`` rows; gradients are averaged over ranks
-(the same gradient as one process's), rank 0 writes metrics, checkpoints and the model.
+Config keys: ``flowseam train --method finetune --show-config``; what each means, and the data
+file's format: docs/training.md ("Config keys").
 """
 
 from __future__ import annotations
@@ -93,7 +71,8 @@ class FinetuneSampling(ConfigSection):
 
 
 class FinetuneConfig(RunConfig):
-    """The ``finetune`` config (module docstring)."""
+    """The ``finetune`` config: every key with its default is what ``--show-config`` prints;
+    docs/training.md says what each means."""
 
     model: Name | None = None
     backend: Name | None = None

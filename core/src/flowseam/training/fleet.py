@@ -1,40 +1,16 @@
 """Rollout fleets on Ray: rollout (and reward) workers as Ray actors that a trainer feeds.
 
-RL for video models is rollout-bound, so the rollouts of a step can run on a fleet of workers —
-one Ray actor per device — while the trainer keeps the policy, the optimizer and the log-prob
-recompute. Ray schedules, places and restarts nothing on flowseam's behalf beyond what is said
-here; flowseam has no scheduler of its own.
-
-* **What a worker receives**: the driver's frozen Platform (``platform.to_dict()``), rebuilt with
-  :meth:`flowseam.Platform.from_dict` — no plugin discovery, the same kernel implementation ids
-  (a worker whose installed plugins differ refuses to start) — and the checkpoint path, loaded
-  with :func:`flowseam.load` on that platform. A worker rolls out with exactly the kernels the
-  trainer pins in its recompute.
-* **Weights**: the trainer's :class:`~flowseam.training.weight_sync.WeightSyncPlan` lists the
-  fleet among its receivers; after each sync the fleet puts the plan's
-  :class:`~flowseam.training.weight_sync.WeightUpdate` (version, sha256, safetensors bytes) into
-  Ray's object store once and every worker applies it (checksum first) before the push returns.
-* **Stale weights are detected, never used**: every rollout task names the version of each
-  component the trainer expects; a worker holding another version raises
-  :class:`StaleWeightsError` instead of rolling out, and the driver checks the versions each
-  result reports. The fleet then pushes the latest update to that worker and runs the share
-  again (``stats["stale"]``).
-* **Faults**: a worker that dies (killed, out of memory, its node lost) is replaced by a new actor
-  in the same placement-group bundle, which receives the latest weights; the shares it held run
-  again. Every share's result is taken exactly once, so a step loses and duplicates nothing
-  (``stats["replaced"]``, ``stats["rerun"]``).
-* **Rewards** may run in their own actors (``reward_workers``): a rollout task returns its frames
-  as a separate object that goes from the rollout worker to a reward worker through the object
-  store, never through the driver. A reward worker holds the trainer's reward as
-  :func:`flowseam.rewards.spec.build_reward` built it (pickled: every component's callable
-  must be picklable) and scores with its checks and timeout; it returns
-  :class:`~flowseam.rewards.spec.RewardScores` (a weighted sum's components included). A
-  :class:`~flowseam.errors.RewardFaultError` it raises reaches the trainer as it is.
-
-Placement: the rollout workers' resources (``num_cpus``/``num_gpus`` each) are reserved as one
-placement group (``placement``: ``"PACK"`` keeps a fleet on as few nodes as possible,
-``"SPREAD"`` spreads it; one GPU per worker on GPU nodes). Install with
-``pip install "flowseam[ray]"``.
+RL for video models is rollout-bound, so a step's rollouts may run on a fleet of workers (one Ray
+actor per device) while the trainer keeps the policy, the optimizer and the log-prob recompute;
+flowseam has no scheduler of its own. A worker gets the driver's frozen Platform
+(:meth:`flowseam.Platform.from_dict`: no discovery, the same kernel ids, so the trainer's pinned
+recompute holds) and the checkpoint path; every weights version reaches it as a
+:class:`~flowseam.training.weight_sync.WeightUpdate`, checksum first, through the object store.
+A worker with other weights raises :class:`StaleWeightsError` instead of rolling out and is
+resynced; a dead one is replaced in its placement-group bundle and its shares run again, each
+result taken exactly once. Rewards may run in actors of their own, the frames going there from
+the rollout worker, never through the driver. Details: docs/scaling.md ("Rollout fleets on
+Ray"); install with ``pip install "flowseam[ray]"``.
 """
 
 from __future__ import annotations
@@ -134,7 +110,10 @@ class RolloutWorker:
 class RewardWorker:
     """A reward in its own actor: ``score(prompts, frames) -> RewardScores`` (the total ``(B,)``
     and, for a weighted sum, each component's), checked as in the trainer
-    (:meth:`flowseam.rewards.spec.Reward.score`)."""
+    (:meth:`flowseam.rewards.spec.Reward.score`), with its timeout. It holds the trainer's reward
+    as :func:`~flowseam.rewards.spec.build_reward` built it, pickled (so every component's
+    callable must be picklable); a :class:`~flowseam.errors.RewardFaultError` it raises reaches
+    the trainer as it is."""
 
     def __init__(self, reward: Any) -> None:
         from ..rewards.spec import as_reward

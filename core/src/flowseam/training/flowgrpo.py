@@ -1,73 +1,16 @@
 """The ``flowgrpo`` training method: Flow-GRPO on one model (text-to-image or text-to-video; for
 LTX-2 both stages' steps are captured, and the reward may score the video or the audio).
 
-Each step: for each of ``prompts_per_step`` prompts, roll out a group of ``group_size`` samples
-with the SDE step (the serve loop with ``ExecutionProfile.ROLLOUT``; every member has its own
-seed), score them with the reward plugin, compute group-relative advantages, run the PPO update
-(:func:`flowseam.training.grpo.ppo_update`) on the trainer's copy of the DiT, and hand the new
-weights to the rollout instance through a :class:`WeightSyncPlan`.
+Each step rolls out ``prompts_per_step`` groups of ``group_size`` samples with the SDE step (the
+serve loop with ``ExecutionProfile.ROLLOUT``, every member its own seed), scores them with the
+reward, computes group-relative advantages, runs the PPO update (:func:`.grpo.ppo_update`) on the
+trainer's copy of the DiT and hands the new weights to the rollout instance through a
+:class:`WeightSyncPlan`. The same step runs data-parallel (:mod:`.distributed`), with every
+rollout split over the ranks (``[parallel]``: :mod:`flowseam.parallel`), or on a Ray rollout
+fleet (``[ray]``: :mod:`.fleet`); docs/scaling.md says how.
 
-Config (TOML/YAML or dict)::
-
-    model = "path/to/checkpoint"       # diffusers-format directory
-    backend = "cpu"                    # optional; default Platform.detect()
-    prompts = ["a red ball", ...]
-    reward = "brightness"              # a registered reward; reward_args = {...}; or a
-                                       # reward server "http://127.0.0.1:8000/ocr"; or a
-                                       # weighted sum {ocr = 0.7, clip_score = 0.3} with
-                                       # reward_args = {ocr = {threads = 1}} (flowseam.training.
-                                       # rewards); each component logged as reward_<name>_mean/std
-    reward_timeout = 600               # seconds each reward call may take (then: a fault)
-    group_size = 4                     # K >= 2
-    prompts_per_step = 1
-    steps = 20
-    seed = 0
-    output_dir = "runs/grpo"           # metrics.jsonl, checkpoints/ (the last step's always),
-                                       # model/ (the trained checkpoint, diffusers format: what
-                                       # flowseam generate --model takes) and, with [lora],
-                                       # pytorch_lora_weights.safetensors (optional: without
-                                       # it the run trains in memory only)
-    checkpoint_every = 10              # 0: only the final checkpoint
-    dtype = "bfloat16"                 # the model's components (flowseam.load's dtype; per
-                                       # kind "dit=bfloat16,vae=float32"); default the backend's
-    gradient_checkpointing = false     # recompute the DiT blocks' activations in the backward
-    [distributed] fsdp = false         # with --nproc N / torchrun: shard the trainer (FSDP2)
-                                       # instead of replicating it (DDP); see below
-    [parallel]  sp = 1; cfg = false    # split every rollout over the ranks (see below)
-    [ray]       rollout_workers = 0    # > 0: roll out on a Ray fleet (see below)
-                reward_workers = 0     # > 0: score in reward actors
-                address, num_cpus, num_gpus (per rollout worker; num_gpus = 1: one per GPU),
-                placement = "PACK", reward_num_cpus, reward_num_gpus
-    [sampling]  num_steps, height, width, num_frames, guidance_scale, noise_level, flow_shift,
-                negative_prompt, max_sequence_length, sde_window = [start, end] (SDE only on
-                those steps, ODE elsewhere; trains on them: Flow-GRPO-Fast); for a causal
-                checkpoint chunk_frames, local_attn_size, sink_size (one record per chunk
-                and step); for LTX-2 frame_rate, audio_guidance_scale, stages,
-                refine_sigmas, refine_guidance_scale (records of both stages)
-    [grpo]      clip_range, adv_clip_max, beta, inner_epochs, timestep_fraction, max_grad_norm, eps
-    [optim]     lr, weight_decay, beta1, beta2, adam_eps, mixed_precision ("no", "bf16", "fp16":
-                float32 master weights, the update's forward under autocast; docs/memory.md)
-    [lora]      rank (0 = full fine-tune), alpha, target_modules
-
-Data parallelism (``flowseam train --nproc N`` or under ``torchrun``): each rank rolls out its
-share of every step's ``prompts_per_step`` × ``group_size`` samples (the seeds are the same as on
-one process), the rewards are gathered so advantages are computed over whole groups, gradients
-are averaged over ranks, rank 0 writes metrics and checkpoints (:mod:`.distributed`).
-
-Split rollouts (``[parallel] sp = N`` and/or ``cfg = true``, on ``flowseam train --nproc
-sp x (2 if cfg else 1)`` ranks: :mod:`flowseam.parallel`): every rollout runs on every rank, its
-DiT's tokens split ``sp`` ways (Ulysses) and its CFG branches on two groups of ranks, so each
-rank holds whole rollouts, with the log-probs one process records. Then each rank keeps its
-data-parallel share of them (the rule above: the step's rollouts are requested per share), scores
-it, and the PPO update runs data-parallel as above, each sample's full sequence on one rank.
-``[parallel]`` takes every rank of the run (one split generation at a time); more ranks for data
-parallelism besides, and a ``[ray]`` fleet, are refused.
-
-Rollout fleet (``[ray] rollout_workers = N``): the step's rollouts run on N Ray actors built from
-this process's frozen Platform, each group split over the workers (every member keeps its seed);
-the trainer recomputes log-probs with the pinned kernels and pushes each new weights version to
-the fleet with its checksum; a stale worker is detected, a dead one replaced and its share re-run
-(:mod:`.fleet`). One process drives the fleet: ``[ray]`` and ``--nproc`` do not combine.
+Every config key with its default: ``flowseam train --method flowgrpo --show-config``; what each
+means: docs/training.md ("Config keys").
 """
 
 from __future__ import annotations
@@ -141,7 +84,8 @@ class SamplingSection(ConfigSection):
 
 
 class FlowGRPOConfig(GroupRLConfig):
-    """The ``flowgrpo`` config (module docstring)."""
+    """The ``flowgrpo`` config: every key with its default is what ``--show-config`` prints;
+    docs/training.md says what each means."""
 
     model: Name | None = None
     backend: Name | None = None

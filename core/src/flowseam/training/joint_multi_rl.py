@@ -2,58 +2,16 @@
 between several DiT experts (Wan2.2 A14B: ``transformer`` for the high-noise steps,
 ``transformer_2`` below ``boundary_ratio``), each expert trained on the steps it produced.
 
-A plugin of its own, registered through its own entry point in core's pyproject
-(``joint_multi_rl = "flowseam.training.builtin:joint_multi_rl"``, which names this module's class by its
-import path, so discovery does not import this module) exactly as a third-party
-method would be.
+It rolls out and scores as ``flowgrpo`` does. Every :class:`~flowseam.loops.BehaviorRecord`
+names the expert that ran its step, and before any update the step → expert map is checked
+against the model's own (:func:`check_expert_map`), so a rollout is never credited to the wrong
+expert. Each expert then runs its own PPO update on the picked SDE steps it produced, with its
+own trainer copy, reference, optimizer, LoRA and WeightSyncPlan (``freeze`` keeps one as loaded):
+the SDE window and ``timestep_fraction`` decide which experts learn. One process.
 
-Each step rolls out and scores exactly as ``flowgrpo`` does (the serve loop with
-``ExecutionProfile.ROLLOUT``, groups of ``group_size`` samples per prompt, group-relative
-advantages). Every :class:`~flowseam.loops.BehaviorRecord` names the expert that ran its step
-(``record.expert``); before any update the step → expert map of every rollout is checked against
-the model's own (``model.experts.at(timestep)``), so a rollout replayed on a model with another
-boundary is refused instead of crediting the wrong expert. The trained steps (``timestep_fraction``
-of the SDE steps: all steps, or those of ``[sampling] sde_window``) are picked once per step for
-the whole model; each expert then runs its own PPO update
-(:func:`~flowseam.training.grpo.ppo_update` with ``expert=``) on the picked steps it produced,
-recomputing their log-probs with the pinned kernels (C2: first-epoch ratio 1) — so the SDE window
-and the timestep fraction decide which experts learn. An expert none of whose steps is an SDE step
-is warned about once per run (it cannot learn); a step that picks none of its steps leaves it
-untouched (no optimizer step, no weight decay).
-
-Each expert has its own trainer copy, frozen reference (KL), AdamW optimizer and learning rate,
-optional LoRA, and :class:`~flowseam.training.weight_sync.WeightSyncPlan` to the rollout instance;
-``freeze = true`` keeps an expert as loaded (it still rolls out its steps). Checkpoints hold every
-trained expert's weights and optimizer under its component name; a resumed run is bit-identical to
-an uninterrupted one. A run with an ``output_dir`` ends by saving the trained model to
-``<output_dir>/model`` (diffusers format, every expert, LoRA fused).
-
-Config (TOML/YAML or dict): ``flowgrpo``'s keys (``model``, ``backend``, ``prompts``, ``reward``,
-``reward_args``, ``group_size``, ``prompts_per_step``, ``steps``, ``seed``, ``output_dir``,
-``checkpoint_every``, ``[sampling]`` — plus ``guidance_scale_2``, the low-noise expert's
-guidance —, ``[grpo]``, ``[optim]``, ``[lora]``) and one table per expert to override::
-
-    model = "path/to/wan2.2-checkpoint"
-    [optim] lr = 1e-4                       # every expert's defaults
-    [experts.transformer]                   # the high-noise expert
-    lr = 5e-5                               # [optim]'s keys: lr, weight_decay, beta1, beta2, adam_eps
-    [experts.transformer_2]
-    freeze = true                           # not trained (still rolls out its steps)
-    [experts.transformer_2.lora]            # [lora]'s keys: rank, alpha, target_modules
-    rank = 4
-
-The config is typed and range-checked before any model loads (:class:`JointMultiRLConfig`, the
-same :class:`~flowseam.training.config.ConfigSection` mechanism as every method: an
-``[experts.<name>]`` table takes ``[optim]``'s keys with their ranges, ``freeze`` a boolean).
-Expert names are the checkpoint's DiT components (read from its ``model_index.json`` before any
-weights load); an unknown name, or every expert frozen, is refused. One process: ``--nproc`` and
-``[ray]`` are not implemented for this method (refused).
-
-Metrics per step (JSON lines): flowgrpo's reward and advantage figures, and per expert (prefix
-``<expert>_``, e.g. ``transformer_2_clip_frac``) the PPO ratio (and its first-epoch deviation from
-1), clip fraction, approximate KL, KL to the reference, gradient norm, ``sde_steps`` (the SDE
-steps of the rollout it produced), ``trained_steps`` (those picked this step), ``updated`` and its
-weights version (frozen experts: ``sde_steps`` only).
+Config keys: ``flowseam train --method joint_multi_rl --show-config`` (``[experts.<name>]``
+tables are named after the checkpoint's experts); what each means, and the metrics:
+docs/training.md.
 """
 
 from __future__ import annotations
@@ -104,8 +62,10 @@ class ExpertSection(OptimOverrides):
 
 
 class JointMultiRLConfig(GroupRLConfig):
-    """The ``joint_multi_rl`` config (module docstring): one process, so no ``[distributed]`` or
-    ``[ray]`` table."""
+    """The ``joint_multi_rl`` config (``--show-config``; docs/training.md says what each key
+    means): one process, so no ``[distributed]`` or ``[ray]`` table. It is checked before any
+    weights load; the ``[experts]`` names against the checkpoint's ``model_index.json``
+    (:func:`expert_settings`)."""
 
     model: Name | None = None
     backend: Name | None = None
@@ -171,7 +131,9 @@ def check_expert_map(model: ModelInstance, result: LoopResult) -> None:
 class JointMultiRL(FlowGRPO):
     """Flow-GRPO over a model with N DiT experts, each trained on its own steps.
     ``JointMultiRL(config).run()``; see the module docstring. Rollout, reward and evaluation are
-    ``flowgrpo``'s (one process, no fleet).
+    ``flowgrpo``'s (one process, no fleet). Checkpoints hold every trained expert's weights and
+    optimizer under its component name; a run with an ``output_dir`` ends by saving the trained
+    model to ``<output_dir>/model`` (diffusers format, every expert, LoRA fused).
 
     :param model: an already loaded instance (else ``config["model"]`` is loaded).
     :param reward: a reward callable (else ``config["reward"]`` is built:
@@ -239,7 +201,14 @@ class JointMultiRL(FlowGRPO):
     # -- one step ---------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
         """One step: rollouts, rewards, advantages, one PPO update per trained expert on the
-        picked SDE steps it produced, the syncs; returns its metrics (also in metrics.jsonl)."""
+        picked SDE steps it produced, the syncs; returns its metrics (also in metrics.jsonl).
+
+        The trained steps (``timestep_fraction`` of the SDE steps: every step, or those of
+        ``[sampling] sde_window``) are picked once for the whole model; each expert's update
+        (:func:`~flowseam.training.grpo.ppo_update` with ``expert=``) recomputes the log-probs of
+        the picked steps it produced with the pinned kernels (C2: first-epoch ratio 1). An
+        expert none of whose steps is picked is left untouched (no optimizer step, no weight
+        decay); one that produced no SDE step at all is warned about once per run."""
         timer = Timer()
         cfg = self.config
         with timer("rollout"):

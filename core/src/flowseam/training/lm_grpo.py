@@ -6,7 +6,8 @@ GRPO (Shao et al. 2024, "DeepSeekMath", eq. 3): for each sampled sequence ``o_i`
 ``β`` × the per-token KL to a frozen reference, estimated as
 ``π_ref/π_θ - log(π_ref/π_θ) - 1`` (their eq. 4); averaged over the tokens of a sequence, then
 over the sequences. ``π_old`` is the behaviour log-prob the rollout stored
-(:class:`flowseam.prompt_refiner.RefinerRollout`), so on the first inner epoch every ratio is 1 (C2).
+(:class:`flowseam.prompt_refiner.RefinerRollout`), so on the first inner epoch every ratio is 1
+(C2).
 """
 
 from __future__ import annotations

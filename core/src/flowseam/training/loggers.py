@@ -1,34 +1,12 @@
 """``[logging]``: a run's metrics where users look — TensorBoard and Weights & Biases — next to
 the ``metrics.jsonl`` every run with an ``output_dir`` writes.
 
-Config (every training method, :class:`~flowseam.training.config.LoggingSection`)::
-
-    output_dir = "runs/grpo"
-    [logging]
-    tensorboard = true        # event files under output_dir/tensorboard (torch.utils.tensorboard)
-    wandb = "offline"         # "off" | "offline" (a run under output_dir/wandb, to
-                              # `wandb sync` later) | "online" (needs `wandb login`)
-    wandb_project = "flowseam"
-    samples_every = 10        # samples at step 1 and every N steps (0: never)
-    samples = 4               # how many of the step's samples
-
-What is logged, at the step number of ``metrics.jsonl`` (the record's ``step``):
-
-* **scalars**: every numeric field of the step's record under the same name as in
-  ``metrics.jsonl`` (``reward_mean``, ``reward_std``, per-component ``reward_<name>_mean``,
-  ``ratio_mean``, ``clip_frac``, ``approx_kl``, ``kl_ref``, ``grad_norm``, ``seconds_<phase>``,
-  ...); a bool as 0/1, NaN as NaN (null in the JSONL); strings and lists are not scalars;
-* **samples**: the first ``samples`` outputs the step's reward scored (the rollouts the update
-  learns from), each with its prompt and reward: an image (one frame) or an animated GIF
-  (several frames, 8 frames per second). TensorBoard tags ``samples/<i>`` (images; GIFs play in
-  its image tab) and a text ``samples/captions``; W&B keys ``samples`` (a list of
-  ``wandb.Image``) or ``samples_video`` (``wandb.Video``). A reward that scores audio, or rewards
-  scored on remote workers (``[ray] reward_workers``), give no samples.
-
-Only rank 0 logs. On resume, TensorBoard hides the events past the checkpoint
-(``SummaryWriter(purge_step=...)``) as ``metrics.jsonl`` drops those lines, and W&B continues the
-same run (its id is kept in ``output_dir/wandb/flowseam-run-id``; W&B ignores steps it has
-already seen, so the steps re-run after the checkpoint keep their first values there).
+Every numeric field of a step's record is logged as a scalar under its ``metrics.jsonl`` name and
+step (:func:`scalars`); every ``samples_every`` steps, the first ``samples`` outputs the step's
+reward scored are logged with their prompts and rewards, as images or GIFs (:class:`SampleTap`
+catches them as the reward is called). Only rank 0 logs, and a resumed run continues the same
+logs (:class:`RunLoggers`). The keys (:class:`~flowseam.training.config.LoggingSection`) and
+what appears where: docs/training.md ("Logging").
 """
 
 from __future__ import annotations
@@ -79,6 +57,11 @@ def _uint8(x: np.ndarray) -> np.ndarray:
 class RunLoggers:
     """The TensorBoard writer and W&B run of one run (rank 0), opened by
     :meth:`flowseam.training.common.RunFiles.open` after the run takes its ``output_dir``.
+
+    On resume, TensorBoard hides the events past the checkpoint (``SummaryWriter(purge_step=
+    ...)``), as ``metrics.jsonl`` drops those lines, and W&B continues the same run: its id is
+    kept in ``output_dir/wandb/flowseam-run-id`` (W&B ignores the steps it has already seen, so
+    the steps rerun after the checkpoint keep their first values there).
 
     :param settings: the validated ``[logging]`` section.
     :param output_dir: the run's directory (``tensorboard/`` and ``wandb/`` go under it).

@@ -1,68 +1,17 @@
 """The ``unified_rl`` training method: a language model rewrites the user's prompt, a generator
 renders the rewrite, and one reward on the output trains both.
 
-A plugin of its own, registered through its own entry point in core's pyproject
-(``unified_rl = "flowseam.training.builtin:unified_rl"``, which names this module's class by its
-import path, so discovery does not import this module) exactly as a third-party
-method would be.
+The rollout is a tree (Tencent UniRL's layout): P prompts, N rewrites of each (the first
+``unrefined_rewrites`` keep the unrefined prompt as a baseline: PromptRL's prompt retention) and
+M SDE samples of every rewrite. The reward scores every output against the *user's* prompt, never
+the rewrite (the rewrite is the LM's action; scoring it would let the LM rewrite the task).
+Advantages are group-relative per level (:meth:`UnifiedRL.advantages`): samples within their
+rewrite drive a Flow-GRPO update of the generator's DiT (as ``flowgrpo``'s), rewrites within
+their prompt a GRPO update of the LM's tokens (:mod:`.lm_grpo`); both recompute the rollout's
+log-probs exactly (C2). Registered through its own entry point, as a third party's would be.
 
-The rollout is a tree (Tencent UniRL's layout): each step takes P prompts; for each, the LM
-samples N rewrites — of which the first ``unrefined_rewrites`` keep the unrefined prompt as a
-baseline (PromptRL's prompt retention) — and the generator renders M samples of every branch
-(SDE, each sample with its own seed). The reward scores every output **against the user's
-prompt**, never against the rewrite (the rewrite is the LM's action; scoring it would let the LM
-rewrite the task). Advantages are group-relative per level:
-
-* samples are grouped by branch: ``A_dit = (r - mean_branch) / (std_branch + eps)``, and drive a
-  Flow-GRPO update of the generator's DiT (of both stages of the t2i → i2v workflow), exactly
-  as ``flowgrpo`` does (pinned kernels, C2);
-* branches are grouped by prompt, scored by the mean reward of their M samples:
-  ``A_lm = (s - mean_prompt) / (std_prompt + eps)`` over all N branches (the unrefined ones
-  included, so a rewrite is judged against the unrefined prompt too), and drive a GRPO update of
-  the LM on the tokens of the refined branches (:mod:`.lm_grpo`: behaviour log-prob
-  ``log_softmax(logits / T)`` stored at sampling, recomputed on the same token buffer, C2 for
-  tokens).
-
-A prompt with a non-finite reward in any of its samples is skipped at both levels (a warning and
-a counter). The LM and each DiT have their own trainer copy, optimizer, learning rate and
-WeightSyncPlan (the LM's hands the weights to the :class:`~flowseam.prompt_refiner.PromptRefiner` that
-samples). One process: data parallelism (``--nproc``) is not implemented for this method.
-
-Config (TOML/YAML or dict)::
-
-    lm_model = "path/to/lm"            # transformers AutoModelForCausalLM + AutoTokenizer
-                                       # (a save_pretrained directory)
-    lm_template = "{request} =>"       # the LM input; default: the directory's
-                                       # flowseam_refiner.json, else "{request}"
-    model = "path/to/checkpoint"       # the generator: a text-to-image or text-to-video card...
-    t2i_model = "..."; i2v_model = "..."   # ...or the t2i-i2v workflow (both stages trained)
-    backend = "cpu"                    # optional; the LM and the generator alike
-    prompts = ["draw me a 7 sliding to the left", ...]
-    reward = "digit_video"; reward_args = {}   # as flowgrpo's (a name, a reward server URL or
-                                       # a weighted sum; reward_timeout = 600 s per call)
-    prompts_per_step = 1               # P
-    rewrites = 4                       # N >= 2 branches per prompt
-    unrefined_rewrites = 0             # of the N, how many keep the unrefined prompt (< N)
-    samples_per_rewrite = 2            # M >= 2 generator samples per branch
-    freeze_generator = false           # true: the generator renders but is not updated (the
-                                       # LM alone learns from the reward; its weights stay
-                                       # as loaded, no DiT backward pass)
-    steps = 10; seed = 0
-    output_dir = "runs/unified"        # metrics.jsonl, checkpoints/, and the trained LM in lm/
-    checkpoint_every = 0
-    [sampling]                         # the generator's, as flowgrpo's [sampling]; for the
-    [t2i_sampling] / [i2v_sampling]    # workflow one table per stage, as workflow_rl's
-    [lm_sampling]  temperature, top_k, top_p, max_new_tokens (defaults: the LM directory's)
-    [grpo] [optim] [lora]              # the generator's Flow-GRPO, optimizer, LoRA (as flowgrpo)
-    [t2i_optim] / [i2v_optim]          # the workflow's per-stage overrides of [optim]
-    [lm_grpo]  clip_range, adv_clip_max, beta, inner_epochs, max_grad_norm, eps
-    [lm_optim] lr, weight_decay, beta1, beta2, adam_eps (its own optimizer and learning rate)
-
-Metrics per step (JSON lines): the reward (all samples, refined and unrefined branches apart),
-the advantages of both levels, per side the PPO ratio (and its first-epoch deviation from 1), clip
-fraction, approximate KL, KL to the reference, gradient norm and weights version (prefixes
-``lm_``, and ``dit_`` or ``t2i_``/``i2v_``), the LM's mean rewrite length and EOS fraction, one
-example prompt with its rewrites, and seconds per phase.
+Config keys: ``flowseam train --method unified_rl --show-config``; what each means, the metrics
+and the method in detail: docs/training.md.
 """
 
 from __future__ import annotations
@@ -125,7 +74,8 @@ class LMSamplingOverrides(ConfigSection):
 
 
 class UnifiedRLConfig(RunConfig):
-    """The ``unified_rl`` config (module docstring)."""
+    """The ``unified_rl`` config: every key with its default is what ``--show-config`` prints;
+    docs/training.md says what each means."""
 
     lm_model: Name | None = None
     lm_template: str | None = None
@@ -352,9 +302,14 @@ class UnifiedRL(SteppedMethod):
     def advantages(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """Group-relative advantages of both levels from ``rewards`` ``(P, N, M)``.
 
-        :returns: ``(sample_adv (P, N, M), rewrite_adv (P, N), stats)``: samples grouped by
-            branch, branches (scored by their mean reward) grouped by prompt; a prompt with any
-            non-finite reward gets 0 everywhere.
+        Samples are grouped by branch (rewrite): ``A_dit = (r - mean_branch) / (std_branch +
+        eps)`` with ``[grpo]``'s ``eps`` and ``adv_clip_max``. Branches are scored by the mean
+        reward of their M samples and grouped by prompt: ``A_lm = (s - mean_prompt) /
+        (std_prompt + eps)`` over all N branches with ``[lm_grpo]``'s, the unrefined ones
+        included, so a rewrite is judged against the unrefined prompt too.
+
+        :returns: ``(sample_adv (P, N, M), rewrite_adv (P, N), stats)``; a prompt with any
+            non-finite reward gets 0 everywhere (skipped at both levels).
         """
         P, N, M = rewards.shape
         finite = torch.isfinite(rewards).flatten(1).all(dim=1)

@@ -1,46 +1,17 @@
 """The ``workflow_rl`` training method: one reward on the final output of a cross-model workflow
 trains every stage.
 
-A plugin of its own, registered through its own entry point in core's pyproject
-(``workflow_rl = "flowseam.training.builtin:workflow_rl"``, which names this module's class by its
-import path, so discovery does not import this module) exactly as a third-party
-method would be.
-
 Each step, per prompt: roll out the text-to-image stage (SDE, a group of ``group_size`` samples,
-each with its own seed, as one batch), decode the images, roll out the image-to-video stage
-conditioned on each image (SDE, one batch: one first frame per sample), score the final videos
-with one reward, and use that one group-relative advantage for a Flow-GRPO update of *both*
-stages' transformers — the T2I model gets credit for images that lead to better videos. Each
-stage has its own trainer copy, optimizer and WeightSyncPlan, on two separate model instances
-(each with its own platform resolution).
+each with its own seed), decode the images, roll out the image-to-video stage on each image (SDE,
+one first frame per sample), score the final videos with one reward, and use that one
+group-relative advantage for a Flow-GRPO update of *both* stages' transformers: the T2I model
+gets credit for images that lead to better videos. Each stage has its own trainer copy,
+optimizer and WeightSyncPlan, on two model instances (each with its own platform resolution).
+Data-parallel as ``flowgrpo`` (:mod:`.distributed`). Registered through its own entry point, as a
+third party's would be.
 
-Config::
-
-    t2i_model = "path/to/flux-checkpoint"
-    i2v_model = "path/to/wan-i2v-checkpoint"
-    t2i_backend = "cpu"; i2v_backend = "cpu"   # optional
-    prompts = [...]; reward = "brightness"; reward_args = {}   # as flowgrpo's (a name, a
-                                # reward server URL or a weighted sum; reward_timeout = 600)
-    group_size = 4; prompts_per_step = 1; steps = 10; seed = 0
-    rollout_batch_size = 8      # samples per rollout batch, across groups (default: one group);
-                                # the update recomputes each batch as one batch too
-    output_dir = "runs/wf"; checkpoint_every = 0   # as flowgrpo's; each stage's model (and
-                                                   # LoRA file) under t2i/ and i2v/
-    [t2i_sampling] / [i2v_sampling]  num_steps, height, width, num_frames, guidance_scale,
-                                     noise_level, sde_window (as flowgrpo's [sampling])
-    [grpo] [optim] [lora]            as for flowgrpo (shared by both stages)
-    [t2i_optim] / [i2v_optim]        per-stage overrides of [optim] (e.g. a smaller T2I lr: the
-                                     T2I stage gets its credit only through the video, so its
-                                     gradient estimate is the noisier of the two)
-    [distributed]                    fsdp = false (as for flowgrpo)
-
-Data parallelism (``--nproc N`` / torchrun) as for flowgrpo: each rank rolls out its share of
-the step's groups through both stages, the final-video rewards are gathered over whole groups,
-both stages' gradients are averaged over ranks, rank 0 writes.
-
-A run resumed from a checkpoint continues with the optimizer state it saved, learning rates
-included (as ``torch.optim.Optimizer.load_state_dict`` restores them): change an lr by starting a
-new ``output_dir``.
+Config keys: ``flowseam train --method workflow_rl --show-config``; what each means:
+docs/training.md ("Config keys").
 """
 
 from __future__ import annotations
@@ -84,7 +55,8 @@ from ..rewards.spec import RewardScores, as_reward, build_reward, check_scores
 
 
 class WorkflowRLConfig(GroupRLConfig):
-    """The ``workflow_rl`` config (module docstring)."""
+    """The ``workflow_rl`` config: every key with its default is what ``--show-config`` prints;
+    docs/training.md says what each means."""
 
     t2i_model: Name | None = None
     i2v_model: Name | None = None

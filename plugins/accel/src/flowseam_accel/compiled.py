@@ -4,17 +4,10 @@
 grad mode, whatever the compiled code's guards check) traces the Python code with dynamo and
 generates code with inductor, then runs it; later calls only check the guards and run. A
 compiled component costs its compile time once per signature, and that cost must not be
-mistaken for its speed.
-
-Every entry point accel compiles is wrapped in a :class:`Timed`: a DiT's ``forward`` (its blocks
-compiled inside), a VAE's ``encode`` and ``decode`` (its ``encoder`` and ``decoder`` compiled
-inside), each solver kernel's arithmetic. A call during which dynamo built a graph or converted a
-frame (``torch._dynamo.utils.counters``: torch has no public counter) is booked as **compile**
-time, its one execution included, and its input signature recorded; every other call as **run**
-time. The counters are process-wide, so a function compiling in another thread meanwhile is
-booked to the running call. On CUDA a compile call synchronizes before its clock stops.
-Entries are named ``"<kind>:<component name>"`` (``"dit:transformer"``,
-``"vae:vae.decode"``) and by op for the kernels (``"flow_sde_step.sample"``).
+mistaken for its speed. Every entry point accel compiles (a DiT's ``forward``, a VAE's
+``encode`` and ``decode``, each solver kernel's arithmetic) is therefore wrapped in a
+:class:`Timed`, which books each call as **compile** or **run** time (:meth:`Timed.book`);
+:func:`compile_report` adds them up.
 """
 
 from __future__ import annotations
@@ -38,6 +31,8 @@ def compile_report() -> dict[str, Any]:
     :returns: ``{"compile_s", "run_s", "calls", "compiles", "entries": {name: {"compile_s",
         "run_s", "calls", "compiles", "signatures"}}}``: ``compiles`` counts the calls during
         which dynamo built a graph, ``signatures`` their inputs (``"float32[1,16,2,4,4]"``).
+        Entries are named ``"<kind>:<component name>"`` (``"dit:transformer"``,
+        ``"vae:vae.decode"``) and by op for the kernels (``"flow_sde_step.sample"``).
     """
     with _LOCK:
         entries = {name: {**e, "signatures": list(e["signatures"])}
@@ -73,8 +68,8 @@ def signature(args: tuple, kwargs: dict) -> str:
 
 
 class Timed:
-    """Calls ``fn`` and books its seconds under ``name`` as compile or run time (module
-    docstring); same arguments, same result, exceptions propagate. When flowseam's notices are
+    """Calls ``fn`` and books its seconds under ``name`` as compile or run time (:meth:`book`);
+    same arguments, same result, exceptions propagate. When flowseam's notices are
     on (the ``flowseam`` command), the first call with each input signature is announced with
     :func:`flowseam.seam.long_wait`: a cold compile takes minutes on a small CPU."""
 
@@ -98,6 +93,15 @@ class Timed:
         return self.book(args, kwargs)[0]
 
     def book(self, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+        """Call ``fn`` once: a call during which dynamo built a graph or converted a frame
+        (``torch._dynamo.utils.counters``: torch has no public counter) is booked as compile
+        time, its one execution included, and its input signature recorded; every other call as
+        run time. The counters are process-wide, so a function compiling in another thread
+        meanwhile is booked to the running call. On CUDA a compile call synchronizes before its
+        clock stops.
+
+        :returns: ``(fn's result, whether the call compiled)``.
+        """
         before, start = _graphs_built(), time.perf_counter()
         out = self.fn(*args, **kwargs)
         compiled = _graphs_built() != before

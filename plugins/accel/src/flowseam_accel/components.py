@@ -5,32 +5,11 @@ In place (``nn.Module.compile``) means the object keeps its class, config, param
 processors and methods; only ``module(...)`` runs compiled code, so loops, adapters (LoRA
 hot-swap) and the conformance suite call it exactly as they call cpu's build.
 ``copy.deepcopy`` (a trainer's policy copy) drops the compiled code: the copy runs eagerly.
-
-``dit`` (``WanTransformer3DModel``, ``FluxTransformer2DModel``, ``LTX2VideoTransformer3DModel``)
-    **Regional compilation** (diffusers' ``compile_repeated_blocks``, torch's recipe): every block
-    whose class the model lists in ``_repeated_blocks`` is compiled in place. The blocks of one
-    class share their code and their parameters are graph inputs, so dynamo traces and inductor
-    compiles one block and every other block of the class reuses its graphs: compile time does
-    not grow with the depth of the model. The embeddings, the output head and the attention
-    processors (kept eager by :mod:`flowseam.attention`, so every attention call still goes
-    through the platform's ``attention`` kernel) run eagerly between them. A DiT without
-    ``_repeated_blocks`` is compiled whole. ``dynamic=True``: one graph serves every
-    resolution, frame count and text length, and a given shape always runs the same graph, so
-    serve and rollout agree bit for bit (torch still specializes sizes 0 and 1: a batch of one
-    compiles once more). torch's automatic dynamic shapes would swap a shape's specialized graph
-    for a dynamic one after the second shape, and the same request could change its bits.
-
-``vae`` (``AutoencoderKLWan``, ``AutoencoderKL``, ``AutoencoderKLLTX2Video``)
-    A diffusers VAE is used through ``encode()`` and ``decode()``; its work lives in ``encoder``
-    and ``decoder``, which are compiled in place, while the Python around them (frame-by-frame
-    loop, tiling, the latent distribution) stays eager. ``dynamic=False``, one graph per shape:
-    inductor cannot lower the Wan VAE's causal ``Conv3d`` padding with symbolic sizes. The Wan
-    VAE threads a causal-conv cache between its per-frame calls and dynamo guards on it, so a
-    shape compiles once per cache state (first frame, second, steady) and later frames, videos
-    and VAE instances of that config reuse those graphs.
-
-Every other kind (``text_encoder`` on purpose, the image encoder, LTX-2's connectors, audio VAE,
-vocoder and latent upsampler) is not declared and falls back to cpu, which the platform records.
+The ``dit`` compiles its repeated blocks with dynamic shapes (:func:`compile_repeated_blocks`),
+the ``vae`` its ``encoder`` and ``decoder`` with one graph per shape (:func:`build_vae`); each
+function says why. Every other kind (``text_encoder`` on purpose, the image encoder, LTX-2's
+connectors, audio VAE, vocoder and latent upsampler) is not declared and falls back to cpu,
+which the platform records.
 """
 
 from __future__ import annotations
@@ -43,8 +22,10 @@ from .device import torch_device
 
 
 def build_dit(spec: ComponentSpec) -> torch.nn.Module:
-    """``spec``'s transformer in float32 on accel's device, its repeated blocks compiled in place
-    (module docstring), its ``forward`` timed as ``"dit:<name>"`` (``compile_report``).
+    """``spec``'s transformer (``WanTransformer3DModel``, ``FluxTransformer2DModel``,
+    ``LTX2VideoTransformer3DModel``) in float32 on accel's device, its repeated blocks compiled
+    in place (:func:`compile_repeated_blocks`), its ``forward`` timed as ``"dit:<name>"``
+    (``compile_report``).
 
     :raises FlowseamError: from :func:`flowseam.seam.components.instantiate` (class or files).
     """
@@ -56,6 +37,17 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str) -> torch.nn.Modu
     """Compile in place every block of ``module`` listed in its ``_repeated_blocks`` (diffusers'
     ``compile_repeated_blocks``) and time ``module``'s calls under ``name``; a module without
     repeated blocks is compiled whole, untimed (the timer would be traced into the graph).
+
+    Regional compilation (torch's recipe): the blocks of one class share their code and their
+    parameters are graph inputs, so dynamo traces and inductor compiles one block and every
+    other block of the class reuses its graphs: compile time does not grow with the depth of
+    the model. The embeddings, the output head and the attention processors (kept eager by
+    :mod:`flowseam.attention`, so every attention call still goes through the platform's
+    ``attention`` kernel) run eagerly between them. ``dynamic=True``: one graph serves every
+    resolution, frame count and text length, and a given shape always runs the same graph, so
+    serve and rollout agree bit for bit (torch still specializes sizes 0 and 1: a batch of one
+    compiles once more). torch's automatic dynamic shapes would swap a shape's specialized
+    graph for a dynamic one after the second shape, and the same request could change its bits.
 
     :returns: ``module`` (the same object).
     """
@@ -72,10 +64,18 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str) -> torch.nn.Modu
 
 
 def build_vae(spec: ComponentSpec) -> torch.nn.Module | None:
-    """``spec``'s autoencoder in float32 on accel's device, its ``encoder`` and ``decoder``
-    compiled in place (module docstring) and its ``encode`` / ``decode`` timed as
-    ``"vae:<name>.encode"`` / ``".decode"``; None (declined: cpu builds it) for a VAE class with
-    neither submodule.
+    """``spec``'s autoencoder (``AutoencoderKLWan``, ``AutoencoderKL``,
+    ``AutoencoderKLLTX2Video``) in float32 on accel's device, its ``encoder`` and ``decoder``
+    compiled in place and its ``encode`` / ``decode`` timed as ``"vae:<name>.encode"`` /
+    ``".decode"``; None (declined: cpu builds it) for a VAE class with neither submodule.
+
+    A diffusers VAE is used through ``encode()`` and ``decode()``, whose work lives in
+    ``encoder`` and ``decoder``; the Python around them (frame-by-frame loop, tiling, the latent
+    distribution) stays eager. ``dynamic=False``, one graph per shape: inductor cannot lower the
+    Wan VAE's causal ``Conv3d`` padding with symbolic sizes. The Wan VAE threads a causal-conv
+    cache between its per-frame calls and dynamo guards on it, so a shape compiles once per
+    cache state (first frame, second, steady) and later frames, videos and VAE instances of that
+    config reuse those graphs.
 
     :raises FlowseamError: from :func:`flowseam.seam.components.instantiate` (class or files).
     """

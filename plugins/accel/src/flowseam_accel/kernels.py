@@ -5,34 +5,13 @@ Each public function validates its arguments like every other backend
 scalar coefficients in Python float64, and hands the tensor arithmetic to a small function
 compiled with ``torch.compile`` (:func:`flowseam_accel.compiled.compile_function`), which
 inductor fuses into one loop over the latents (C++/OpenMP on the CPU, triton on CUDA). The Euler
-step and the re-noise are the same ``a x + b y`` graph with different coefficients.
-
-What keeps the compiled code from being rebuilt during a denoising run:
-
-* **scalars travel as tensors**: the coefficients are a small tensor in the compute dtype, so a
-  new sigma is new data, not a new graph (a Python float would be specialized into the graph);
-* **latents travel flattened and detached**: ``(B, C, F, H, W)`` becomes ``(N,)`` (``(B, N)``
-  where the log-prob needs the batch), one graph for every rank, and a plain tensor rather than
-  a view (dynamo guards on a view's base); the ops run inside ``torch.autograd.Function`` s with
-  analytic backwards, so gradients are not lost;
-* **graphs see only the compute dtype** (float32, float64 for float64 latents): storage dtypes
-  are converted outside, so bf16/fp16 latents share the float32 graph;
-* **shapes are dynamic** (``dynamic=True``): one graph serves every batch size and resolution.
-
-Dtype rules (shared with the cpu backend): the arithmetic is float32 (float64 when ``x`` is
-float64); the Euler step and the SDE sample come back in ``x``'s dtype; ``mean``, ``std`` and
-``log_prob`` in the compute dtype.
-
-C2 by construction (``flow_sde_step``): the rollout draws the sample (one fused pass over x, v
-and noise), then computes ``mean`` and ``log_prob`` from the *returned* sample with the same
-compiled function a recompute from ``prev_sample`` runs, so the two agree bit for bit (at the
-price of one more read of x and v per rollout step). That function runs inside a
-``torch.autograd.Function`` with the analytic backward, so a recompute that records gradients
-runs the same inference graph; gradients reach the log-prob through ``mean`` only (Flow-GRPO).
-
-Distributed attention: :func:`ring_attention` is accel's ``sequence_parallel_attention`` (ring
-attention; its docstring has the formula). It runs eagerly: its work is matmuls between the
-messages, which a compiled graph would not fuse further.
+step and the re-noise are the same ``a x + b y`` graph with different coefficients. Key
+decision: nothing in a denoising run recompiles. The coefficients travel as a small tensor (a new
+sigma is new data, not a new graph), the latents flattened and detached (:func:`_flat`) through
+``torch.autograd.Function`` s with analytic backwards, the graphs see only the compute dtype
+(bf16/fp16 latents share the float32 graph), and shapes are dynamic. :func:`flow_sde_step` says
+how its log-prob is C2 by construction; :func:`ring_attention`, accel's
+``sequence_parallel_attention``, runs eagerly (its work is matmuls between the messages).
 """
 
 from __future__ import annotations
@@ -56,7 +35,9 @@ _A, _B, _STD, _NEG_HALF_INV_VAR, _LOG_NORM = range(5)
 
 
 def _flat(t: torch.Tensor, dtype: torch.dtype, rows: int | None = None) -> torch.Tensor:
-    """``t`` as ``(-1,)`` (or ``(rows, -1)``) in ``dtype``, detached (module docstring)."""
+    """``t`` as ``(-1,)`` (or ``(rows, -1)``, where the log-prob needs the batch) in ``dtype``,
+    detached: one graph for every rank, and a plain tensor rather than a view (dynamo guards on
+    a view's base). The autograd Functions around the compiled code keep the gradients."""
     flat = t.reshape(-1) if rows is None else t.reshape(rows, -1)
     return flat.detach().to(dtype)
 
@@ -171,7 +152,17 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
         the same draw as the cpu backend) when neither it nor ``prev_sample`` is given.
     :param prev_sample: the sample of an earlier rollout: returned as is, and its log-prob
         recomputed bit for bit (the same compiled graph as the rollout).
-    :returns: :class:`flowseam.ops.SDEStepOutput` ``(sample, log_prob (B,), mean, std)``.
+    :returns: :class:`flowseam.ops.SDEStepOutput` ``(sample, log_prob (B,), mean, std)``:
+        ``sample`` in ``x``'s dtype; ``mean``, ``std`` and ``log_prob`` in the compute dtype
+        (float32, float64 for float64 ``x``), the dtype rules of the cpu backend.
+
+    C2 by construction: the rollout draws the sample (one fused pass over x, v and noise), then
+    computes ``mean`` and ``log_prob`` from the *returned* sample with the same compiled
+    function a recompute from ``prev_sample`` runs, so the two agree bit for bit (at the price
+    of one more read of x and v per rollout step). That function runs inside a
+    ``torch.autograd.Function`` with the analytic backward, so a recompute that records
+    gradients runs the same inference graph; gradients reach the log-prob through ``mean`` only
+    (Flow-GRPO).
     """
     sigma, sigma_next = as_sigma(sigma), as_sigma(sigma_next, "sigma_next")
     check_step_tensors(x, v, noise, prev_sample)
@@ -205,7 +196,8 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
 
 def flow_renoise(x0: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor:
     """``(1 - sigma) * x0 + sigma * noise``: the causal loop's re-noising of a predicted clean
-    chunk to the next sigma (contract in :mod:`flowseam.ops`), one fused compiled pass.
+    chunk to the next sigma (contract: :func:`flowseam.ops.reference.flow_renoise`), one fused
+    compiled pass.
 
     :param x0: ``(B, ...)`` any float dtype; ``noise``: the same shape.
     :returns: ``x0``'s shape and dtype; the arithmetic is float32 (float64 for float64 ``x0``).

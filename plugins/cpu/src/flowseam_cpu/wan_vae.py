@@ -1,18 +1,13 @@
 """Two CPU speed-ups for diffusers' Wan VAE (``AutoencoderKLWan``), applied by the cpu backend
-to every Wan VAE it builds. Both leave the module's weights, config and class unchanged.
-
-They are what ``bench/generate_vs_diffusers.py --profile`` names first for the VAE decode
-(torch 2.13, one thread; the profile is in docs/benchmarks.md):
+to every Wan VAE it builds. Both leave the module's weights, config and class unchanged and its
+output the same to float rounding. They answer what ``bench/generate_vs_diffusers.py --profile``
+names first for the VAE decode (the figures: docs/benchmarks.md, "The cpu backend's kernels"):
 
 * **Convolutions through oneDNN** (:func:`flowseam_cpu.onednn.convolutions_on_onednn`): torch's
   CPU heuristic picks its slow native kernels for every causal conv of a small decode.
-* **RMS norm as a sum of squares.** ``WanRMS_norm`` calls ``F.normalize(x, dim=1)``, whose
-  ``linalg_vector_norm`` over the channel dimension of an NCDHW tensor is slow on CPU (3.9 ms
-  against 0.14 ms for ``(1, 8, 4, 64, 64)``; 18 ms against 14 ms for ``(1, 96, 4, 60, 104)``).
-  Here it is ``x * rsqrt(max(sum(x**2, dim), eps**2))`` — ``F.normalize``'s
-  ``x / max(||x||, eps)`` with ``eps = 1e-12`` — then diffusers' ``* scale * gamma + bias``;
-  equal to float rounding (1e-7). Half-precision inputs are normalised in float32 as in
-  diffusers.
+* **RMS norm as a sum of squares** (:func:`_rms_norm_forward`): ``WanRMS_norm`` calls
+  ``F.normalize(x, dim=1)``, whose ``linalg_vector_norm`` over the channel dimension of an
+  NCDHW tensor is slow on CPU; ``x * rsqrt(max(sum(x**2, dim), eps**2))`` is the same norm.
 """
 
 from __future__ import annotations
@@ -27,6 +22,10 @@ _EPS_SQUARED = 1e-24  # F.normalize's eps (1e-12), squared: it bounds ||x||^2 in
 
 
 def _rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``WanRMS_norm.forward`` as ``x * rsqrt(max(sum(x**2, dim), eps**2))``, which is
+    ``F.normalize``'s ``x / max(||x||, eps)`` with ``eps = 1e-12``, then diffusers'
+    ``* scale * gamma + bias``; equal to diffusers' to float rounding. Half-precision inputs are
+    normalised in float32, as in diffusers."""
     work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     dim = 1 if self.channel_first else -1
     scale = torch.rsqrt((work * work).sum(dim, keepdim=True).clamp_min(_EPS_SQUARED))

@@ -1,8 +1,9 @@
 """flowseam's CUDA backend: GPU components, fast attention, cupy fused solver kernels.
 
-Loaded by flowseam through the ``flowseam.plugins`` entry point ``cuda = flowseam_cuda.plugin``;
-core never imports it. On a machine without a CUDA device or without cupy it imports cleanly
-and reports itself ``unavailable`` with the reason (``flowseam backends`` shows it).
+Loaded through the ``flowseam.plugins`` entry point ``cuda = flowseam_cuda.plugin``; core never
+imports it. Without a CUDA device or without cupy it imports cleanly and reports itself
+``unavailable`` with the reason (``flowseam backends`` shows it).
+``plugins/cuda/gpu_check.sh`` runs its tests and kernel benchmarks on a GPU machine.
 
 ================  ===============================================================================
 ``plugin``        the hook implementations (device ``cuda``, priority 100)
@@ -11,9 +12,6 @@ and reports itself ``unavailable`` with the reason (``flowseam backends`` shows 
 ``torch_kernels`` torch fallbacks (arch generic) and the attention op (flash-attn / fused SDPA)
 ``components``    dit (bf16), vae, text_encoder, image_encoder (float32) on the GPU
 ================  ===============================================================================
-
-``plugins/cuda/gpu_check.sh`` runs this backend's tests and benchmarks the cupy kernels against
-torch eager on a GPU machine.
 """
 
 __version__ = "0.1.0"

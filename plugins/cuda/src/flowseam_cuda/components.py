@@ -1,26 +1,15 @@
 """The cuda backend's component builders: the real classes on the GPU.
 
-=================  ==========================================================================
-kind               dtype (``spec.dtype`` overrides)
-=================  ==========================================================================
-``dit``            bfloat16 (the solver kernels still do their arithmetic in float32)
-``vae``            float32
-``text_encoder``   float32
-``image_encoder``  float32
-=================  ==========================================================================
-
-Weights are loaded on the CPU in the target dtype (``from_pretrained(torch_dtype=...)``: no
-float32 copy of a bf16 model is ever made, and the model's ``_keep_in_fp32_modules`` — diffusers'
-and transformers' list of numerically sensitive submodules, e.g. Wan's time embedder and norms —
-stay float32), then moved to torch's current CUDA device
+``dit`` in bfloat16 (the solver kernels still do their arithmetic in float32); ``vae``,
+``text_encoder`` and ``image_encoder`` in float32; ``spec.dtype`` overrides. Key decision:
+weights are loaded on the CPU in the target dtype (``from_pretrained(torch_dtype=...)``), so no
+float32 copy of a bf16 model is ever made and the model's ``_keep_in_fp32_modules`` (diffusers'
+and transformers' list of numerically sensitive submodules, e.g. Wan's time embedder and norms)
+stay float32; then they move to torch's current CUDA device
 (:func:`flowseam_cuda.device.torch_device`). A component built from a config (no checkpoint) is
-cast by :func:`cast_keeping_fp32_modules`, the same rule; a plain ``module.to(bfloat16)`` would
-cast those modules too.
-
-Attention inside the models is not chosen here: flowseam routes each model's attention
-through the platform's ``attention`` op (flash-attn or fused SDPA on this backend, see
-:mod:`flowseam_cuda.torch_kernels`). Tokenizers and processors are not GPU objects; those kinds
-are left to cpu.
+cast by :func:`cast_keeping_fp32_modules`, the same rule. Attention is not chosen here: flowseam
+routes it through the platform's ``attention`` op (:mod:`flowseam_cuda.torch_kernels`).
+Tokenizers and processors are not GPU objects; those kinds are left to cpu.
 """
 
 from __future__ import annotations
@@ -59,7 +48,8 @@ def resolve_dtype(kind: str, spec: ComponentSpec) -> torch.dtype:
 def cast_keeping_fp32_modules(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast ``module``'s floating parameters and buffers to ``dtype``, except those inside a
     submodule named in ``module._keep_in_fp32_modules``, which become float32 (the rule of
-    diffusers' and transformers' ``from_pretrained(torch_dtype=...)``)."""
+    diffusers' and transformers' ``from_pretrained(torch_dtype=...)``; a plain
+    ``module.to(bfloat16)`` would cast those modules too)."""
     keep = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
     for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
         if not tensor.is_floating_point():

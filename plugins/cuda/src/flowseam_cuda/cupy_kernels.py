@@ -2,35 +2,15 @@
 
 Registered at arch ``sm80`` (they convert bf16 with the ``cvt.rn.bf16.f32`` instruction that
 Ampere introduced), so every GPU of capability 8.0 or newer resolves to them through its arch
-chain. cupy is imported on first use, never at import time.
-
-Memory and streams
-    Inputs and outputs are torch tensors; :func:`_view` hands each to cupy with
-    ``cupy.from_dlpack`` (no copy; bf16/fp16 tensors are viewed as 16-bit integers first, since
-    cupy has no bfloat16 dtype, and converted inside the kernel). Outputs are allocated by torch
-    (its caching allocator). Every launch is made on torch's *current* stream (wrapped in a
-    ``cupy.cuda.ExternalStream``), so the kernels are ordered with the surrounding torch work
-    without any synchronization.
-
-``flow_match_step``: one elementwise pass
-    ``out = x + dt * v`` as one fused multiply-add in float32 (double for float64 ``x``), stored
-    in ``x``'s dtype; reads x and v once, writes out once.
-
-``flow_sde_step``: one elementwise pass plus a per-sample reduction
-    One kernel reads x, v and noise (or ``prev_sample``) once and writes ``sample`` (x's dtype)
-    and ``mean`` (float32), and each thread block reduces the log-densities of its slice of one
-    sample to a partial sum; a second, tiny step adds each sample's partials in float64 and
-    divides by the element count. The log-density is computed from the *stored* sample (rounded
-    to x's dtype and read back), so the recompute with ``prev_sample`` runs the same code on the
-    same bits. The reduction is deterministic (a fixed tree inside each block, a fixed grid for
-    a given shape, no atomics), and ``mean`` uses explicit ``__fmaf_rn`` / ``__fmul_rn``, so the
-    compiler cannot contract the two paths differently: the recomputed log-prob equals the
-    rollout's bit for bit (C2).
-
-Gradients
-    Both kernels run inside ``torch.autograd.Function`` s whose backward is the analytic gradient,
-    written with torch ops: the Euler step is linear in x and v; the SDE step's ``mean`` is
-    linear in x and v and the sample enters the log-density detached, as in Flow-GRPO.
+chain. cupy is imported on first use, never at import time. Inputs and outputs are torch
+tensors (outputs allocated by torch's caching allocator) that cupy views without a copy
+(:func:`_view`), and every launch runs on torch's *current* stream (:func:`_on_torch_stream`),
+so the kernels are ordered with the surrounding torch work without any synchronization.
+``flow_match_step`` is one elementwise pass; ``flow_sde_step`` one pass plus a deterministic
+per-sample reduction, so that the recomputed log-prob equals the rollout's bit for bit (C2;
+:func:`flow_sde_step` says how). Both run inside ``torch.autograd.Function`` s whose backward
+is the analytic gradient, written with torch ops: the Euler step and the SDE step's ``mean``
+are linear in x and v, and the sample enters the log-density detached, as in Flow-GRPO.
 """
 
 from __future__ import annotations
@@ -161,8 +141,9 @@ def _kernel(name: str, x: torch.dtype, v: torch.dtype, n: torch.dtype | None):
 # -- torch <-> cupy ----------------------------------------------------------------------------
 
 def _view(t: torch.Tensor):
-    """A zero-copy cupy view of contiguous ``t`` (16-bit floats as their int16 bits). Detached:
-    DLPack refuses tensors that require grad (the autograd Functions below handle gradients)."""
+    """A zero-copy cupy view of contiguous ``t`` (``cupy.from_dlpack``); 16-bit floats as their
+    int16 bits, since cupy has no bfloat16 dtype (the kernels convert them). Detached: DLPack
+    refuses tensors that require grad (the autograd Functions below handle gradients)."""
     t = t.detach()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
@@ -171,7 +152,8 @@ def _view(t: torch.Tensor):
 
 @contextlib.contextmanager
 def _on_torch_stream(device: torch.device):
-    """Make torch's current stream on ``device`` cupy's current stream."""
+    """Make torch's current stream on ``device`` cupy's current stream (wrapped in a
+    ``cupy.cuda.ExternalStream``)."""
     cp = _cupy()
     with cp.cuda.Device(device.index):
         with cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
@@ -202,7 +184,9 @@ def _scalar(value: float, ct: torch.dtype):
 # -- flow_match_step ---------------------------------------------------------------------------
 
 def flow_match_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: float) -> torch.Tensor:
-    """``x + (sigma_next - sigma) * v`` in one pass (float32 arithmetic, float64 for float64 x).
+    """``x + (sigma_next - sigma) * v`` in one pass (float32 arithmetic, float64 for float64 x):
+    one fused multiply-add per element, stored in ``x``'s dtype; reads x and v once, writes the
+    output once.
 
     :param x: latents ``(B, ...)`` on a GPU, float32/float64/bfloat16/float16; ``v`` the same
         shape, any of those dtypes.
@@ -306,6 +290,16 @@ def flow_sde_step(x: torch.Tensor, v: torch.Tensor, sigma: float, sigma_next: fl
                   noise_level: float = 0.7, sigma_max: float | None = None,
                   generator: torch.Generator | None = None) -> SDEStepOutput:
     """Flow-GRPO's SDE step with log-prob in one fused pass (formulas in :mod:`flowseam.ops`).
+
+    One kernel reads x, v and noise (or ``prev_sample``) once and writes ``sample`` (x's dtype)
+    and ``mean`` (float32), and each thread block reduces the log-densities of its slice of one
+    sample to a partial sum; a second, tiny step adds each sample's partials in float64 and
+    divides by the element count. The log-density is computed from the *stored* sample (rounded
+    to x's dtype and read back), so the recompute with ``prev_sample`` runs the same code on the
+    same bits. The reduction is deterministic (a fixed tree inside each block, a fixed grid for
+    a given shape, no atomics), and ``mean`` uses explicit ``__fmaf_rn`` / ``__fmul_rn``, so the
+    compiler cannot contract the two paths differently: the recomputed log-prob equals the
+    rollout's bit for bit (C2).
 
     :param x: latents ``(B, ...)`` on a GPU; ``v``, ``noise``, ``prev_sample`` the same shape.
     :param noise: drawn with ``torch.randn(generator=...)`` (float32, x's device) when neither it

@@ -2,23 +2,10 @@
 
 Nothing in this module imports cupy at import time: flowseam imports every plugin on every
 machine, and on a machine without CUDA this backend must import cleanly and say why it is
-unavailable (:func:`unavailable_reason`).
-
-Arch rungs (most specific first; a kernel registered at a rung runs on every GPU whose chain
-contains it)
-    ``sm<major><minor>``
-        The device's own compute capability: kernels that use arch-specific instructions
-        (e.g. Hopper's wgmma/TMA at ``sm90``, which Blackwell does not run) register here.
-    ``sm80``
-        The Ampere feature baseline that every later GPU keeps (native bf16 conversion
-        instructions, ``cp.async``); listed for capability 8.0 and newer. The cupy kernels are
-        registered here (they convert bf16 with ``cvt.rn.bf16.f32``).
-    ``generic``
-        Any CUDA device torch supports; only torch ops (the fallbacks).
-
-    Examples: (9, 0) H100/H200 -> ``["sm90", "sm80", "generic"]``; (8, 0) A100 ->
-    ``["sm80", "generic"]``; (8, 9) L40S -> ``["sm89", "sm80", "generic"]``; (10, 0) B200 ->
-    ``["sm100", "sm80", "generic"]``; (7, 5) T4 -> ``["sm75", "generic"]``.
+unavailable (:func:`unavailable_reason`). The arch chain, most specific rung first, runs from
+the device's own compute capability (``sm<major><minor>``, for arch-specific instructions)
+through ``sm80`` (the Ampere baseline every later GPU keeps; the cupy kernels register there)
+to ``generic`` (torch ops only): :func:`arch_chain_for` has each rung and examples.
 """
 
 from __future__ import annotations
@@ -36,8 +23,26 @@ CUPY_INSTALL_HINT = "pip install 'flowseam-cuda[cupy]' (cupy-cuda12x; [cupy-cuda
 
 
 def arch_chain_for(capability: tuple[int, int]) -> list[str]:
-    """The arch chain of a GPU of compute ``capability`` ``(major, minor)``; see the module
-    docstring. Pure function (testable without a GPU)."""
+    """The arch chain of a GPU of compute ``capability`` ``(major, minor)``. Pure function
+    (testable without a GPU).
+
+    Rungs, most specific first (a kernel registered at a rung runs on every GPU whose chain
+    contains it):
+
+    ``sm<major><minor>``
+        The device's own compute capability: kernels that use arch-specific instructions
+        (e.g. Hopper's wgmma/TMA at ``sm90``, which Blackwell does not run) register here.
+    ``sm80``
+        The Ampere feature baseline that every later GPU keeps (native bf16 conversion
+        instructions, ``cp.async``); listed for capability 8.0 and newer. The cupy kernels are
+        registered here (they convert bf16 with ``cvt.rn.bf16.f32``).
+    ``generic``
+        Any CUDA device torch supports; only torch ops (the fallbacks).
+
+    Examples: (9, 0) H100/H200 -> ``["sm90", "sm80", "generic"]``; (8, 0) A100 ->
+    ``["sm80", "generic"]``; (8, 9) L40S -> ``["sm89", "sm80", "generic"]``; (10, 0) B200 ->
+    ``["sm100", "sm80", "generic"]``; (7, 5) T4 -> ``["sm75", "generic"]``.
+    """
     major, minor = int(capability[0]), int(capability[1])
     own = f"sm{major}{minor}"
     chain = [own]

@@ -1,18 +1,11 @@
 """torch implementations of the ops for CUDA tensors: the ``generic`` rung, and the attention op.
 
 The ``generic`` kernels are core's eager-torch implementation (:mod:`flowseam.ops.eager`, the
-cpu backend's too), which runs on whatever device the tensors are on with the dtype rules of
-every flowseam backend. They run on any GPU torch supports and are what a platform resolves to
-below ``sm80`` (where the cupy kernels are registered); they are also the "torch eager" side of
-``plugins/cuda/bench_kernels.py``.
-
-Attention (registered at ``sm80``; ``generic`` is plain SDPA): flash-attn's
-``flash_attn_func`` when the package imports and the call fits it (fp16/bf16, no mask, equal
-q/v head dims <= 256), else ``torch.nn.functional.scaled_dot_product_attention`` restricted, in
-this priority order, to the FlashAttention-2, cuDNN, memory-efficient and (last resort) math
-backends. torch's default ranking of cuDNN has changed between releases; pinning the order
-keeps the choice stable, and ranks cuDNN (fast on Hopper, takes masks) above the memory-efficient
-kernel (the one fused kernel that also takes float32).
+cpu backend's too), with the dtype rules of every flowseam backend: what a platform resolves to
+on any GPU below ``sm80`` (where the cupy kernels are registered), and the "torch eager" side of
+``plugins/cuda/bench_kernels.py``. Attention (registered at ``sm80``; ``generic`` is plain
+SDPA) runs flash-attn when it fits the call, else SDPA restricted to its fused backends in a
+pinned priority order (:func:`attention_fast` says which and why).
 """
 
 from __future__ import annotations
@@ -69,8 +62,15 @@ def _fits_flash_attn(q: torch.Tensor, v: torch.Tensor, attn_mask) -> bool:
 
 def attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """The ``attention`` contract through flash-attn or the fused SDPA backends (module
-    docstring). Layout ``(B, heads, seq, dim)`` in and out."""
+    """The ``attention`` contract through flash-attn or the fused SDPA backends. Layout
+    ``(B, heads, seq, dim)`` in and out.
+
+    flash-attn's ``flash_attn_func`` when the package imports and the call fits it (fp16/bf16,
+    no mask, equal q/v head dims <= 256), else ``torch.nn.functional.scaled_dot_product_attention``
+    restricted, in this priority order, to the FlashAttention-2, cuDNN, memory-efficient and
+    (last resort) math backends. torch's default ranking of cuDNN has changed between releases;
+    pinning the order keeps the choice stable, and ranks cuDNN (fast on Hopper, takes masks)
+    above the memory-efficient kernel (the one fused kernel that also takes float32)."""
     check_attention(q, k, v)
     flash = _flash_attn_func()
     if flash is not None and _fits_flash_attn(q, v, attn_mask):

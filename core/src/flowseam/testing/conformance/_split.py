@@ -1,19 +1,15 @@
 """The conformance check of ``sequence_parallel_attention``: the op runs on real ranks.
 
-The op is a collective (contract in :mod:`flowseam.ops`), so one process cannot call it. The
-check starts 2 processes (``python -m flowseam.testing.conformance._split SPEC``, gloo, rendezvous
-through a file in a temporary directory: no port to pick), each rebuilds the platform under test
-from ``Platform.to_dict()`` and pins the implementation under test by its id. Each rank draws the
-same seeded q/k/v of every case (:data:`SPLIT_CASES` x :data:`flowseam.testing.conformance.
-_support.ATTENTION_DTYPES`), passes its contiguous half of the rows with the platform's own
-``attention`` kernel, and saves what it got back (or the error it raised). The parent joins the
-halves and the tests compare them with the numpy float64 oracle
-(:func:`flowseam.ops.reference.attention` on the whole q/k/v): the unsplit call. The same
-processes call the op with the contract's bad arguments (a tensor that requires grad among them),
-which every rank must refuse with ``ValueError``.
-
-All cases of one implementation run in one pair of processes, once per session (cached here):
-the tests read their results.
+The op is a collective (contract: :data:`flowseam.ops.SEQUENCE_PARALLEL_ATTENTION`), so one process
+cannot call it. The check starts 2 processes (``python -m flowseam.testing.conformance._split
+SPEC``, gloo, rendezvous through a file in a temporary directory: no port to pick); each rebuilds
+the platform under test from ``Platform.to_dict()``, pins the implementation under test by its id,
+passes its contiguous half of the rows of the same seeded q/k/v of every case (:data:`SPLIT_CASES` x
+:data:`ATTENTION_DTYPES`) with the platform's own ``attention`` kernel, and saves what it got back
+(or the error it raised). The parent joins the halves, and the tests compare them with the numpy
+float64 oracle on the whole q/k/v (the unsplit call); the same processes check that every rank
+refuses the contract's bad arguments with ``ValueError``. All cases of one implementation run in one
+pair of processes, once per session (cached here).
 """
 
 from __future__ import annotations

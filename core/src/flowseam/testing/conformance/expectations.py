@@ -3,24 +3,14 @@
 A backend answers the hook :func:`flowseam.seam.hookspecs.flowseam_conformance_expectations` with a
 :class:`flowseam.ConformanceExpectations`; :func:`resolve` fills in the defaults from the
 backend's declarations, and :meth:`Expectations.mark_expected_failures` applies the
-expected-failures file to the collected tests.
+expected-failures file to the collected tests. That file is UTF-8 text, one entry per line:
+a test id, whitespace, and a reason (required); blank lines and ``#`` comments are ignored::
 
-Expected-failures file
-----------------------
-Plain text, UTF-8, one entry per line; blank lines and lines starting with ``#`` are ignored::
+    test_kernels.py::test_kernel_matches_oracle[tinyvendor-*-float64-*]  no float64 on the device
 
-    # <test id>                                                           <reason>
-    test_kernels.py::test_kernel_matches_oracle[tinyvendor-flow_match_step@generic-float64-*]  no float64 on the device
-
-* The **test id** is the test's file name and name as pytest prints them
-  (``<file>::<name>[<params>]``), without the directory, so it does not depend on where flowseam
-  is installed. ``*`` matches any run of characters (the only wildcard; ``[`` and ``]`` are
-  literal), e.g. ``*-float64-*`` for every float64 case, or ``flow_sde_step@*`` for every arch
-  rung of a host.
-* The **reason**, after whitespace, is required; it is shown in pytest's report.
-* Every matching test is marked ``xfail(strict=True)``: it must fail. If it passes, pytest
-  reports ``XPASS(strict)`` and the run fails, so a fixed bug cannot hide behind a stale entry.
-  An entry that matches no collected test is reported as a warning.
+Every test the id matches (:func:`parse_xfail_file` has the rules) is marked
+``xfail(strict=True)``: it must fail, so a fixed bug cannot hide behind a stale entry. Why a hook
+and a file: docs/writing-a-backend.md, section 7.
 """
 
 from __future__ import annotations
@@ -51,7 +41,16 @@ class XfailEntry:
 
 
 def parse_xfail_file(text: str, source: str = "<xfail file>") -> list[XfailEntry]:
-    """Parse the expected-failures format (module docstring).
+    """Parse the expected-failures format (module docstring) into its entries.
+
+    * The **test id** is the test's file name and name as pytest prints them
+      (``<file>::<name>[<params>]``), without the directory, so it does not depend on where
+      flowseam is installed. ``*`` matches any run of characters (the only wildcard; ``[`` and
+      ``]`` are literal), e.g. ``*-float64-*`` for every float64 case, or ``flow_sde_step@*``
+      for every arch rung of a host.
+    * The **reason**, after whitespace, is required; pytest shows it in its report.
+    * An entry that matches no collected test is reported as a warning
+      (:meth:`Expectations.mark_expected_failures` returns those entries).
 
     :raises ValueError: for a line without a reason or a test id without ``::``, naming the line.
     """

@@ -242,9 +242,9 @@ def test_kernel_matches_oracle(flowseam_platform, flowseam_case, expectations):
 @pytest.mark.flowseam_cases(cases=registration_cases, empty="it registers no kernel")
 def test_kernel_rejects_bad_arguments(flowseam_platform, flowseam_case, expectations):
     """The contract's bad arguments raise ValueError (shape mismatch, an empty tensor, sigmas out
-    of order or out of [0, 1], a per-sample ``(B,)`` sigma, sigma == 1 without sigma_max and sigma_next == sigma
-    for the SDE step; for UniPC also sigma == 1, an order its history cannot support, order > 1
-    at sigma_next == 0, and a state that is not a UniPCState)."""
+    of order or out of [0, 1], a per-sample ``(B,)`` sigma, sigma == 1 without sigma_max and
+    sigma_next == sigma for the SDE step; for UniPC also sigma == 1, an order its history cannot
+    support, order > 1 at sigma_next == 0, and a state that is not a UniPCState)."""
     kernel = pinned_kernel(flowseam_platform, flowseam_case)
     device = expectations.torch_device
     if flowseam_case.op == ops.SEQUENCE_PARALLEL_ATTENTION:  # called on 2 ranks, every one refuses
