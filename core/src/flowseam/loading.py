@@ -108,7 +108,7 @@ def load(path_or_hub_id: str | os.PathLike, platform: Platform | None = None, *,
     The card is chosen from ``model_index.json``; the solver from
     ``scheduler/scheduler_config.json`` (:mod:`flowseam.schedulers`: the checkpoint's settings
     are the default, refused options are named) before any weights load; the checkpoint's own
-    serving defaults from ``flowseam.json`` when it has one (:mod:`flowseam.defaults`: they fill
+    serving defaults from ``flowseam.json`` when it has one (:mod:`flowseam.checkpoint_defaults`: they fill
     a request's unset parameters before the scheduler config and the card do); every component is
     built with ``platform.build_component(kind, spec)`` (so a backend may override it and
     anything it leaves out falls back to cpu); every DiT expert's attention is routed through

@@ -140,12 +140,12 @@ class DiffusionParams:
         repository) and MixGRPO (Li et al. 2025): the reward's spread then comes from the noise
         of those steps only, so the policy gradient is far less noisy per sample.
     :param max_sequence_length: text tokens kept by the text encoder.
-    :param lora: the request's LoRA adapter set: a tuple of :class:`flowseam.policies.LoraSpec`
+    :param lora: the request's LoRA adapter set: a tuple of :class:`flowseam.request_fields.LoraSpec`
         (path, weight, expert); strings ``"PATH[:WEIGHT][@EXPERT]"`` and mappings are converted
-        (:func:`flowseam.policies.normalize_lora`). Empty: the base model. Each file is read
-        once per model and switched per request (:mod:`flowseam.adapters`).
-    :param cache: the step-cache policy (:class:`flowseam.policies.CachePolicy`, or
-        ``"NAME:THRESHOLD"``; :func:`flowseam.policies.normalize_cache`): skip the DiT on steps
+        (:func:`flowseam.request_fields.normalize_lora`). Empty: the base model. Each file is read
+        once per model and switched per request (:mod:`flowseam.models.adapters`).
+    :param cache: the step-cache policy (:class:`flowseam.request_fields.CachePolicy`, or
+        ``"NAME:THRESHOLD"``; :func:`flowseam.request_fields.normalize_cache`): skip the DiT on steps
         where its velocity changes little (:mod:`flowseam.loops.step_cache`). None
         (the default): every step computed. Flow-match loop only (Wan T2V/I2V, FLUX.1).
     :param chunk_frames: (``wan_causal`` loop) latent frames per chunk (Self-Forcing's

@@ -3,11 +3,11 @@
 :class:`~flowseam.request.DiffusionParams` takes them in any form users write (a string from the
 CLI, a mapping from the HTTP API or a TOML file, the object itself) and keeps the one hashable
 form defined here: ``lora``, a tuple of :class:`LoraSpec` (:func:`normalize_lora`), the adapter
-set that :class:`flowseam.adapters.AdapterSet` switches the model's DiT experts to; ``cache``, a
+set that :class:`flowseam.models.adapters.AdapterSet` switches the model's DiT experts to; ``cache``, a
 :class:`CachePolicy` or None (:func:`normalize_cache`), the policy that
 :class:`flowseam.loops.step_cache.StepCache` runs in the loop. Parsing needs neither a model nor
 a loop, so it lives here, in the seam below both: a request is checked before any model loads,
-and :mod:`flowseam.request` imports nothing above the seam. :mod:`flowseam.adapters` and
+and :mod:`flowseam.request` imports nothing above the seam. :mod:`flowseam.models.adapters` and
 :mod:`flowseam.loops.step_cache` re-export these names.
 """
 

@@ -104,7 +104,7 @@ class SolverConfig:
           overrides its own setting only: ``flow_shift`` sets ``shift`` (FlowMatchEuler) or
           ``flow_shift`` (UniPC) and turns dynamic shifting off; fields left ``None`` change
           nothing (:meth:`for_request`);
-        * ``"flowseam.json"``: the checkpoint's own serving defaults (:mod:`flowseam.defaults`):
+        * ``"flowseam.json"``: the checkpoint's own serving defaults (:mod:`flowseam.checkpoint_defaults`):
           a ``flow_shift`` there is applied at load like a request's, below a request's own;
         * ``"card default"``: the model card's value for a key the checkpoint leaves out (or,
           with no scheduler folder at all, the card's scheduler class); never over a value the

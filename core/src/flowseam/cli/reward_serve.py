@@ -11,7 +11,7 @@ from ..errors import InvalidInputError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``reward-serve`` command and its options (their defaults:
-    ``rewards.server.RewardServeOptions``)."""
+    ``rewards.reward_server.RewardServeOptions``)."""
     from ..rewards.reward_server import RewardServeOptions as defaults
 
     s = sub.add_parser(

@@ -186,7 +186,7 @@ def ensure_models(cache_dir: str | os.PathLike | None = None,
 
 def write_serve_defaults(model_dir: Path, recipe: Recipe) -> None:
     """Write the recipe's ``[serve]`` table as the model's own serving defaults
-    (``flowseam.json``, :mod:`flowseam.defaults`), so that ``flowseam generate`` samples it as the
+    (``flowseam.json``, :mod:`flowseam.checkpoint_defaults`), so that ``flowseam generate`` samples it as the
     demo does; unchanged files are left alone."""
     from ..checkpoint_defaults import (
         FILENAME, check_checkpoint_defaults, read_checkpoint_defaults, write_checkpoint_defaults,

@@ -75,7 +75,7 @@ def stream(model: Model, request: GenerationRequest,
     """
     t_start = time.perf_counter()
     # 1. Check inputs: fill the defaults (card's, then the checkpoint's), validate, one
-    #    generator per sample; switch the DiT to the request's LoRA set (flowseam.adapters).
+    #    generator per sample; switch the DiT to the request's LoRA set (flowseam.models.adapters).
     params = model.check(request)
     model.adapters.activate(params.lora)
     seeds = request.sample_seeds(params)

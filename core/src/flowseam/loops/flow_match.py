@@ -46,7 +46,7 @@ def run(model: Model, request: GenerationRequest,
     """
     t_start = time.perf_counter()
     # 1. Check inputs: fill the card's defaults, validate, one generator per sample; switch the
-    #    DiT experts to the request's LoRA set (each file read once per model; flowseam.adapters).
+    #    DiT experts to the request's LoRA set (each file read once per model; flowseam.models.adapters).
     params = model.validate(request)  # the card's rules (and, split over ranks, the split's)
     if model.parallel is not None:  # every rank stops at the step any rank's callback raises
         step_callback = model.parallel.agreed(step_callback)
