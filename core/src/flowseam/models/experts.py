@@ -67,18 +67,15 @@ class Experts(Mapping[str, torch.nn.Module]):
         return params.guidance_scale_2
 
     def check(self, params: "DiffusionParams") -> None:
-        """``guidance_scale_2`` only for two experts, and >= 0 (diffusers refuses likewise).
+        """``guidance_scale_2`` only for two experts (diffusers refuses likewise; its range is
+        :class:`~flowseam.DiffusionParams`' to check).
 
         :raises InvalidInputError: naming the value.
         """
-        if params.guidance_scale_2 is None:
-            return
-        if self.boundary_timestep is None:
+        if params.guidance_scale_2 is not None and self.boundary_timestep is None:
             raise InvalidInputError(
                 f"guidance_scale_2={params.guidance_scale_2!r} is for two-expert "
                 f"(Wan2.2) models; {self._model} has one DiT")
-        if params.guidance_scale_2 < 0:
-            raise InvalidInputError(f"guidance_scale_2={params.guidance_scale_2!r} must be >= 0")
 
     def pick(self, timestep: torch.Tensor, expert: str | None,
              dit: torch.nn.Module | None) -> tuple[str, torch.nn.Module]:
