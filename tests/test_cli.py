@@ -245,6 +245,7 @@ def test_a_config_schema_error_is_bad_input_naming_the_field(tmp_path, monkeypat
 
     from flowseam.cli import train
     from flowseam.seam import TrainingMethod
+    from flowseam.seam.discovery import PluginRecord
 
     class Config(pydantic.BaseModel):
         steps: int
@@ -260,7 +261,9 @@ def test_a_config_schema_error_is_bad_input_naming_the_field(tmp_path, monkeypat
         def run(self, progress=False):
             return {"steps": self.steps, "records": [{"step": s} for s in range(self.steps)]}
 
-    monkeypatch.setattr(train, "get_method", lambda name: CountingMethod)
+    record = PluginRecord(name="tests", value="test_cli:CountingMethod", distribution="tests",
+                          version="0")
+    monkeypatch.setattr(train, "resolve_method", lambda name: (record, CountingMethod))
     config = tmp_path / "counting.toml"
     config.write_text('steps = "many"\n')
     argv = ["train", "--method", "counting", "--config", str(config), "--output-dir", str(tmp_path)]

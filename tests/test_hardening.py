@@ -419,7 +419,8 @@ def test_an_entry_point_named_cpu_from_another_distribution_displaces_nothing(is
             rec = reg.records[key]
             assert rec.status == "broken" and "claimed by 2 distributions" in rec.reason
             assert "flowseam-cpu 0.1.0" in rec.reason and "flowseam-fixture-cpu-squatter 0.0.1" in rec.reason
-        with pytest.raises(flowseam.BackendUnavailableError, match="'cpu' is broken: entry-point name"):
+        with pytest.raises(flowseam.PluginLoadError,
+                           match=r"'cpu' is broken \(flowseam-cpu 0.1.0\): entry-point name"):
             flowseam.Platform("cpu", registry=reg)
 
 

@@ -52,7 +52,6 @@ LAYER = {
     "flowseam.seam.*": SEAM,            # the plugin contract and its resolution
     "flowseam.ops.*": SEAM,             # op names and contracts, the numpy oracle, eager refs
     "flowseam.errors": SEAM,            # the errors every layer raises
-    "flowseam._moved": SEAM,            # old import paths, kept for one release
     # -- runtime: the root modules --------------------------------------------------------------
     "flowseam.attention": RUNTIME,         # the attention route the DiTs' processors call
     "flowseam.causal_attention": RUNTIME,  # block-causal masks and the KV cache's attention
@@ -77,6 +76,7 @@ LAYER = {
     # -- users --------------------------------------------------------------------------------
     "flowseam": USERS,                  # the public API (higher layers' names imported lazily)
     "flowseam.__main__": USERS,
+    "flowseam._moved": USERS,           # old import paths, kept for one release
     "flowseam.cli.*": USERS,
     "flowseam.training.*": USERS,
     "flowseam.rewards.*": USERS,
@@ -334,11 +334,15 @@ def _private(dotted: str) -> bool:
 
 
 def test_backends_use_no_private_name_of_core():
-    """A backend (the in-repo ones are the examples vendors copy) uses flowseam's public API
-    only: no ``_``-prefixed module, function or attribute of flowseam."""
-    for package in PACKAGES[1:]:
+    """A backend (the in-repo ones and the test fixtures are the examples vendors copy, with the
+    one docs/writing-a-backend.md builds) uses flowseam's public API only: no ``_``-prefixed
+    module, function or attribute of flowseam."""
+    for package in BACKEND_PACKAGES:
         for path in package.rglob("*.py"):
             assert _private_names_of_core(path.read_text()) == [], path
+    page = (REPO / "docs" / "writing-a-backend.md").read_text()
+    for block in re.findall(r"```python[^\n]*\n(.*?)```", page, re.S):
+        assert _private_names_of_core(block) == [], block[:200]
     # the check finds such a use when there is one
     for uses in ("from flowseam.attention import _SDPARoute",
                  "import flowseam\nflowseam.seam.discovery._CACHE = None",
@@ -444,27 +448,35 @@ def test_docstrings_state_the_design_in_a_few_lines():
 
 
 def test_no_two_modules_or_classes_of_core_share_a_name():
-    """A name says one thing: no two modules of core share a file name (but the entry-point
-    modules, ``plugin.py``, and a model family's loop and card: ``loops/ltx2.py`` and
-    ``models/ltx2.py``), and no two classes of core share a name."""
+    """A name says one thing: no two modules or packages of core share a name (but the
+    entry-point modules, ``plugin.py``; a model family's loop and card, ``loops/ltx2.py`` and
+    ``models/ltx2.py``; a command and what it runs, ``cli/serve.py`` and ``serve/``), and no two
+    classes of core share a name."""
     modules: dict[str, list[str]] = {}
     classes: dict[str, list[str]] = {}
     for path in _core_files():
         rel = path.relative_to(PACKAGES[0]).as_posix()
         if path.name != "__init__.py":
             modules.setdefault(path.stem, []).append(rel)
+        elif path.parent != PACKAGES[0]:  # a package's name counts as a module's
+            modules.setdefault(path.parent.name, []).append(rel.removesuffix("/__init__.py"))
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef):
                 classes.setdefault(node.name, []).append(rel)
-    allowed = lambda name, paths: name == "plugin" or sorted(paths) == [  # noqa: E731
-        f"loops/{name}.py", f"models/{name}.py"]
+    def allowed(name: str, paths: list[str]) -> bool:
+        """Entry-point modules; one family's loop and card; a command and what it runs."""
+        rest = sorted(set(paths) - {f"cli/{name}.py"})
+        return (name == "plugin" or sorted(paths) == [f"loops/{name}.py", f"models/{name}.py"]
+                or (len(rest) == 1 and len(paths) == 2))
+
     assert {n: p for n, p in modules.items() if len(p) > 1 and not allowed(n, p)} == {}
     assert {n: p for n, p in classes.items() if len(p) > 1} == {}
 
 
 def test_the_command_line_imports_no_torch_until_a_command_needs_it():
-    """``flowseam --help``, ``flowseam backends`` and the pytest plugin stay quick: building the
-    command line's parser imports neither torch nor any model library."""
+    """``flowseam --help`` and ``flowseam COMMAND --help`` stay quick: building the command line's
+    parser imports neither torch nor any model library (a command imports them when it runs;
+    discovery imports torch before any plugin, which all import it)."""
     import subprocess
     import sys
 
@@ -490,31 +502,42 @@ def test_the_architecture_page_draws_these_layers_from_the_tree():
 
 
 def test_the_paths_that_moved_still_import_with_a_deprecation_warning():
-    """Every import path that moved in 0.2 (:data:`flowseam._moved.MOVED`) gives the module at
-    its new path — the same object — and a DeprecationWarning naming where it is now."""
+    """Every import path that moved in 0.2 (:data:`flowseam._moved.MOVED`) still imports, with a
+    DeprecationWarning naming where it is now and the line that asked for it, and gives every
+    name of every module its names went to (a renamed one under its old name)."""
     import subprocess
     import sys
 
     from flowseam._moved import MOVED
 
     code = (
-        "import importlib, sys, warnings\n"
-        "from flowseam._moved import MOVED\n"
+        "import importlib, warnings\n"
+        "from flowseam._moved import MOVED, RENAMED\n"
         "for old, new in MOVED.items():\n"
         "    with warnings.catch_warnings(record=True) as caught:\n"
         "        warnings.simplefilter('always')\n"
         "        module = importlib.import_module(old)\n"
-        "    assert module is importlib.import_module(new), old\n"
-        "    assert module.__spec__.name == new, old\n"
-        "    said = [str(w.message) for w in caught if w.category is DeprecationWarning]\n"
-        "    assert any(f'{old} moved to {new}' in s for s in said), (old, said)\n"
+        "    said = [w for w in caught if w.category is DeprecationWarning]\n"
+        "    assert any(f'{old} moved to {new[0]}' in str(w.message) and w.filename == '<string>'\n"
+        "               for w in said), (old, [(str(w.message), w.filename) for w in said])\n"
+        "    for target in map(importlib.import_module, new):\n"
+        "        for name in getattr(target, '__all__', None) or [n for n in vars(target)\n"
+        "                                                        if not n.startswith('_')]:\n"
+        "            if not any(hasattr(importlib.import_module(n), name) for n in\n"
+        "                       new[:new.index(target.__name__)]):\n"
+        "                assert getattr(module, name) is getattr(target, name), (old, name)\n"
+        "    for was, now in RENAMED.get(old, {}).items():\n"
+        "        assert getattr(module, was) is getattr(importlib.import_module(new[0]), now)\n"
         "from flowseam.components import instantiate\n"
+        "from flowseam.faults import check_step, kernel_fault\n"
+        "from flowseam.kernels import Conflict\n"
         "from flowseam.seam import instantiate as new\n"
-        "assert instantiate is new\n"
+        "assert instantiate is new and Conflict.__name__ == 'KernelConflict'\n"
         "print(len(MOVED))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(len(MOVED))
     # the old paths name modules that are gone from the tree, the new ones modules that exist
     modules = _modules([PACKAGES[0]])
-    assert not set(MOVED) & set(modules) and set(MOVED.values()) <= set(modules)
+    assert not set(MOVED) & set(modules)
+    assert {n for new in MOVED.values() for n in new} <= set(modules)

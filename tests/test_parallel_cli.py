@@ -143,7 +143,6 @@ def _rank_of(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
-@pytest.mark.slow
 def _failure(exitcode: int, timestamp: int):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -173,6 +172,7 @@ def test_the_failure_named_is_the_cause_whatever_order_the_launcher_saw(failures
     assert rank == named and failure.exitcode == failures[named][0]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_generation_ends_the_job_on_every_rank(ckpts, tmp_path):
     """SIGKILL rank 1 while the ranks denoise: the command exits non-zero naming rank 1, rank 0
     is stopped too, no process is left and no output (or temporary file) is written."""
@@ -210,7 +210,9 @@ def test_a_rank_killed_mid_generation_ends_the_job_on_every_rank(ckpts, tmp_path
     assert "flowseam: rank 1 of 2 was killed by SIGKILL; the other ranks were stopped" in stderr
     assert "internal error" not in stderr and "plugin fault" not in stderr
     # rank 0 stops either way (its collective fails, or the launcher stops it first: which one
-    # comes first is timing); it is never named as the rank that failed
+    # comes first is timing), says why, and is never named as the rank that failed
+    assert ("flowseam: rank 0 of 2: another rank of this job went away" in stderr
+            or "flowseam: rank 0 of 2: stopped (SIGTERM" in stderr), stderr[-3000:]
     assert "rank 0 of 2 was killed" not in stderr and "rank 0 of 2 exited" not in stderr
     assert list(out.iterdir()) == []
     assert [p for p in ranks if Path(f"/proc/{p}").exists()] == []

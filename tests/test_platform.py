@@ -140,9 +140,9 @@ def test_platform_round_trips_through_a_spawned_process(fixture_plugins_dir):
 
 
 def test_rebuilt_platform_refuses_a_different_plugin_version():
-    """Another version of a plugin is that plugin's to fix (a plugin fault naming it, exit 3);
-    the same versions resolving other kernels would be flowseam's bug, never "bad input"."""
-    from flowseam.cli.boundary import EXIT_BUG, EXIT_PLUGIN_FAULT, report
+    """Another version of a plugin, or a plugin resolving other kernels here, is named as that
+    plugin's fault (exit 3), never "bad input"."""
+    from flowseam.cli.boundary import EXIT_PLUGIN_FAULT, report
 
     with plugin_env():
         data = flowseam.Platform("cpu").to_dict()
@@ -150,7 +150,12 @@ def test_rebuilt_platform_refuses_a_different_plugin_version():
     with pytest.raises(flowseam.PluginLoadError, match="flowseam-cpu==9.9.9") as info:
         flowseam.Platform.from_dict(wrong)
     assert info.value.plugin == "cpu" and report(info.value) == EXIT_PLUGIN_FAULT
-    tampered = {**data, "kernels": {**data["kernels"], ops.FLOW_MATCH_STEP: "x:y:cpu:generic:z==1"}}
-    with pytest.raises(RuntimeError, match="a bug") as info:
+    # a plugin that registers other kernels on another host (accel registers at its host's own
+    # arch rung): the plugins and kernels named, the user's setup to fix, never "bad input"
+    other = "accel:flow_match_step:accel:x86_64-avx512:flowseam-accel==0.1.0"
+    tampered = {**data, "kernels": {**data["kernels"], ops.FLOW_MATCH_STEP: other}}
+    with pytest.raises(flowseam.PluginLoadError, match=r"plugin\(s\) accel, cpu resolve other "
+                       r"kernels .* flow_match_step: cpu:flow_match_step:cpu:generic:flowseam-cpu"
+                       r"==0.1.0 here, accel:flow_match_step") as info:
         flowseam.Platform.from_dict(tampered)
-    assert not isinstance(info.value, flowseam.FlowseamError) and report(info.value) == EXIT_BUG
+    assert report(info.value) == EXIT_PLUGIN_FAULT

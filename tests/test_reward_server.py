@@ -396,13 +396,13 @@ def test_reward_serve_refuses_bad_arguments_before_loading():
 def test_reward_serve_names_a_factory_that_raises_as_a_plugin_fault(monkeypatch):
     """A registered reward whose factory raises (not InvalidInputError) is the plugin's fault,
     named as `flowseam train` names it, not an internal error of flowseam."""
-    import flowseam.seam.rewards
+    import flowseam.seam.reward_contract
     from flowseam.rewards.reward_server import RewardServeOptions, run
 
     def broken(name, **kwargs):
         raise RuntimeError("weights file truncated")
 
-    monkeypatch.setattr(flowseam.seam.rewards, "get_reward", broken)
+    monkeypatch.setattr(flowseam.seam.reward_contract, "get_reward", broken)
     with pytest.raises(RewardFaultError, match=r"reward 'brightness' of plugin 'methods' \(flowseam"
                                                r" .*\) raised RuntimeError: weights file truncated "
                                                r"while being built") as info:

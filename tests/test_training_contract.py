@@ -91,13 +91,39 @@ def test_its_world_size_check_runs_before_any_rank_starts(method_plugin, flux, t
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name, what", [
-    ("not_a_method", "which is not a subclass of flowseam.seam.TrainingMethod"),
-    ("no_run", "NoRun, which does not implement run of flowseam.seam.TrainingMethod"),
+@pytest.mark.parametrize("name, command, what", [
+    ("not_a_method", "--show-config", "which is not a subclass of flowseam.seam.TrainingMethod"),
+    ("virtual", "--show-config", "which is not a subclass of flowseam.seam.TrainingMethod"),
+    ("no_run", "--show-config", "NoRun, which does not implement run of flowseam.seam."
+                                "TrainingMethod"),
+    ("list_config", "--show-config", "ListConfig, whose default_config() returned ['steps']; "
+                                     "expected a mapping"),
+    ("returns_nothing", "--config", "ReturnsNothing, whose run() returned None; expected a "
+                                    "TrainingSummary"),
+    ("no_progress", "--config", "NoProgress, whose run(progress=...) does not take what the "
+                                "contract passes"),
+    ("exits", "--show-config", "'fixture_method.exits:Exits', which cannot be imported: "
+                               "SystemExit: 0"),
 ])
-def test_a_method_that_breaks_the_contract_is_its_plugins_fault(method_plugin, name, what):
-    out = run_main("train", "--method", name, "--show-config", path=method_plugin)
+def test_a_method_that_breaks_the_contract_is_its_plugins_fault(method_plugin, flux, tmp_path,
+                                                                 name, command, what):
+    """Exit 3 naming the plugin, one line, nothing on stdout (a module imported by path prints
+    to stderr and cannot exit the process)."""
+    args = ["--show-config"] if command == "--show-config" else \
+        ["--config", _config(tmp_path, flux)]
+    out = run_main("train", "--method", name, *args, path=method_plugin)
     assert out.returncode == 3, out.stderr
-    assert out.stderr.startswith(f"flowseam: plugin fault: plugin 'raft' (flowseam-fixture-method "
-                                 f"0.0.1) registers training method '{name}' as ")
-    assert what in out.stderr and "Traceback" not in out.stderr
+    assert what in out.stderr and "Traceback" not in out.stderr and out.stdout == ""
+    assert "flowseam: plugin fault: plugin 'raft' (flowseam-fixture-method 0.0.1)" in out.stderr
+
+
+def test_a_mistyped_method_is_the_users_to_fix_whatever_other_plugins_do(method_plugin):
+    """A name nobody registers is bad input (exit 2), even when another method's import path
+    fails: listing the registered names imports none of them."""
+    out = run_main("train", "--method", "raft_", "--show-config", path=method_plugin)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("flowseam: error: unknown training method 'raft_'; registered "
+                                 "methods: [") and "'exits'" in out.stderr
+    listed = run_main("train", "--help", path=method_plugin)
+    assert listed.returncode == 0 and "  raft            RAFT" in listed.stdout
+    assert "  exits           (unusable: PluginLoadError" in listed.stdout

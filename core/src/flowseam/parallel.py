@@ -24,6 +24,23 @@ import torch
 from .errors import FlowseamError, InvalidInputError
 
 
+#: names that moved to :mod:`flowseam.launch` in 0.2, importable from here until 0.3
+_MOVED = ("launch", "first_failure", "EXIT_PEER_LOST")
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :data:`_MOVED`, from :mod:`flowseam.launch`, with a DeprecationWarning."""
+    if name in _MOVED:
+        import warnings
+
+        from . import launch
+
+        warnings.warn(f"flowseam.parallel.{name} moved to flowseam.launch.{name} (the old path goes "
+                      "in flowseam 0.3)", DeprecationWarning, stacklevel=2)
+        return getattr(launch, name)
+    raise AttributeError(f"module 'flowseam.parallel' has no attribute {name!r}")
+
+
 def agreed_stop(exc: BaseException) -> bool:
     """Whether ``exc`` ended a split generation on every rank at the same step (a step callback
     that raised: :meth:`ParallelGroups.agreed`), or was refused before any rank communicated

@@ -5,8 +5,9 @@ options) and ``cmd_<name>(args)`` (what it does; its exit status); :func:`main` 
 together and runs the command inside :mod:`.boundary`, the error boundary that decides what an
 error means for the user and the exit status. The command modules import nothing of this package
 but :mod:`.parsing` (the parser classes, ``--version``), and nothing below :mod:`flowseam`
-imports the command line. A test that replaces a command replaces its module's ``cmd_<name>``
-(``flowseam.cli.models.cmd_models``): the parser reads it from there.
+imports the command line. A command module imports the model runtime (torch, diffusers) inside
+the functions that run the command, never at module level, so that ``flowseam --help`` imports
+none of it. A test that replaces a command replaces its module's ``cmd_<name>``.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..quiet import quiet_libraries
-from ..seam.methods import TrainingMethod, get_method, method_summaries
+from ..seam.method_contract import Checked, TrainingSummary, method_summaries, resolve_method
 from .parsing import HelpFormatter
 
 
@@ -42,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=cmd_train)
 
 
-def show_config(name: str, method: type[TrainingMethod]) -> str:
+def show_config(name: str, method: Checked) -> str:
     """What ``flowseam train --method NAME --show-config`` prints: the method's summary and every
     config key with its default, as TOML (or its documentation, for a method that publishes no
     keys)."""
@@ -50,16 +51,17 @@ def show_config(name: str, method: type[TrainingMethod]) -> str:
 
     from ..training.config import as_toml
 
+    cls = method.cls
     config = method.default_config()
     if not config:
-        module_doc = inspect.getdoc(inspect.getmodule(method)) or inspect.getdoc(method) or ""
-        return (f"# {name}: {method.summary()}\n# this method publishes no config keys "
+        module_doc = inspect.getdoc(inspect.getmodule(cls)) or inspect.getdoc(cls) or ""
+        return (f"# {name}: {cls.summary()}\n# this method publishes no config keys "
                 f"(default_config() is empty); its documentation:\n\n{module_doc}\n")
-    where = ("docs/training.md, \"Config keys\"" if method.__module__.startswith("flowseam.")
-             else f"python -c \"import {method.__module__} as m; help(m)\"")
-    head = f"{name}: {method.summary()}\nEvery key with its default; a commented key has none " \
+    where = ("docs/training.md, \"Config keys\"" if cls.__module__.startswith("flowseam.")
+             else f"python -c \"import {cls.__module__} as m; help(m)\"")
+    head = f"{name}: {cls.summary()}\nEvery key with its default; a commented key has none " \
            f"(required, or chosen at run time).\nWhat each key means: {where}"
-    return as_toml(config, method.config_tables, head)
+    return as_toml(config, cls.config_tables, head)
 
 
 def _set_override(config: dict, override: str) -> None:
@@ -82,31 +84,18 @@ def _set_override(config: dict, override: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Run a registered training method with a TOML/YAML config (on ``--nproc`` ranks)."""
+    """Run a registered training method with a TOML/YAML config (on ``--nproc`` ranks), every
+    call to it checked against the training-method contract (:class:`Checked`)."""
     import os
 
-    from ..training.config import load_config
+    from ..parallel import is_rank_of
 
     quiet_libraries()
-    method = get_method(args.method)  # unknown → error listing the registered methods
+    method = Checked(args.method, *resolve_method(args.method))  # unknown: lists the registered
     if args.show_config:
         print(show_config(args.method, method), end="")
         return 0
-    if not args.config:
-        raise InvalidInputError(
-            "--config is required (a .toml or .yaml file); --show-config prints "
-            f"every key of {args.method}'s config with its default")
-    config = load_config(args.config)
-    for override in args.set or []:
-        _set_override(config, override)
-    if args.output_dir:
-        config["output_dir"] = args.output_dir
-    if args.dtype:
-        config["dtype"] = args.dtype
-    if args.nproc is not None and args.nproc < 1:
-        raise InvalidInputError(f"--nproc={args.nproc} must be >= 1")
-    from ..parallel import is_rank_of
-
+    config = _config(args)
     launcher = args.nproc is not None and args.nproc > 1 and not is_rank_of(args.nproc)
     if launcher:  # not yet a rank: e.g. a batch that does not split fails before spawning
         method.check_world_size(config, args.nproc)
@@ -122,22 +111,50 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv += ["--output-dir", config["output_dir"]]
         argv += ["--dtype", args.dtype] if args.dtype else []
         return launch(argv, args.nproc)
-    summary = method(config).run(progress=True)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # rank 0 reports for the run
+    summary = method.run(config, progress=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 reports for the run
+        _report(args.method, config, summary)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--config`` file with ``--set``, ``--output-dir`` and ``--dtype`` over it.
+
+    :raises InvalidInputError: for a missing ``--config``, a bad ``--set`` or ``--nproc``.
+    """
+    from ..training.config import load_config
+
+    if not args.config:
+        raise InvalidInputError(
+            "--config is required (a .toml or .yaml file); --show-config prints "
+            f"every key of {args.method}'s config with its default")
+    config = load_config(args.config)
+    for override in args.set or []:
+        _set_override(config, override)
+    if args.output_dir:
+        config["output_dir"] = args.output_dir
+    if args.dtype:
+        config["dtype"] = args.dtype
+    if args.nproc is not None and args.nproc < 1:
+        raise InvalidInputError(f"--nproc={args.nproc} must be >= 1")
+    return config
+
+
+def _report(name: str, config: dict[str, Any], summary: TrainingSummary) -> None:
+    """What a finished run prints: its last step's main metrics and where it wrote."""
     last = summary["records"][-1] if summary["records"] else {}
     shown = {k: round(v, 5) if isinstance(v, float) else v for k, v in last.items()
              if k.startswith(("step", "reward_mean", "loss", "ratio", "t2i_ratio", "i2v_ratio"))}
-    print(f"{args.method}: {summary['steps']} steps; last: {shown}")
-    out = config["output_dir"]
-    for stage, paths in (summary.get("exported") or {}).items():
-        where = f" ({stage})" if len(summary["exported"]) > 1 else ""
+    print(f"{name}: {summary['steps']} steps; last: {shown}")
+    exported = summary.get("exported") or {}
+    for stage, paths in exported.items():
+        where = f" ({stage})" if len(exported) > 1 else ""
         print(f"model{where}: {paths['model']} (diffusers format: flowseam generate --model "
               f"{paths['model']} ...)")
         if "lora" in paths:
             print(f"lora{where}: {paths['lora']} (diffusers: pipe.load_lora_weights)")
+    out = config["output_dir"]
     print(f"checkpoints: {out}/checkpoints; metrics: {out}/metrics.jsonl")
-    return 0
 
 
 def _registered_methods_text() -> str:

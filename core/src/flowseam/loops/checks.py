@@ -20,7 +20,9 @@ def component_faults(model: Any, kinds: tuple[str, ...], doing: str) -> Iterator
     """Name the plugin when a component of ``kinds`` raises inside the block: any exception but
     a :class:`FlowseamError` becomes a :class:`ComponentFaultError` naming the components of those
     kinds in ``model.component_records`` (where the platform built each), with the original as
-    ``__cause__``. A model without records re-raises unchanged."""
+    ``__cause__``; running out of memory becomes a :class:`NotEnoughMemoryError` saying what
+    lowers it (``model.placement.advice``). With no record of those kinds it re-raises
+    unchanged."""
     try:
         yield
     except FlowseamError:

@@ -3,8 +3,8 @@
 A :class:`ModelInstance` holds the components the platform built for a checkpoint and the solver
 its scheduler config resolved to, serves requests (:meth:`~ModelInstance.generate`, through the
 card's loop: :func:`flowseam.loops.run_loop`) and implements the card-specific step bodies the loop
-calls (``check``, ``encode``, ``prepare_latents``, ``schedule``, ``velocity``, ``decode``; the
-contract: :mod:`flowseam.loops.steps`). What is not card-specific it holds as objects of their own:
+calls (``check``, ``encode``, ``prepare_latents``, ``schedule``, ``velocity``, ``decode``; each
+loop module says which it calls). What is not card-specific it holds as objects of their own:
 its DiT experts (:class:`~flowseam.models.experts.Experts`), where its components run
 (:class:`~flowseam.models.placement.Placement`), its LoRA adapters
 (:class:`~flowseam.models.adapters.AdapterSet`) and, split over ranks, its
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, Mapping
@@ -226,6 +227,20 @@ class ModelInstance:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} card={self.card.name!r} platform={self.platform.name!r}>"
+
+    # -- the 0.1 names of what the experts do, until flowseam 0.3 ------------------------------
+    def expert_at(self, timestep: torch.Tensor | float) -> str:
+        """Deprecated: :meth:`Experts.at` (``model.experts.at(timestep)``)."""
+        warnings.warn("model.expert_at(t) moved to model.experts.at(t) (the old name goes in "
+                      "flowseam 0.3)", DeprecationWarning, stacklevel=2)
+        return self.experts.at(timestep)
+
+    @property
+    def boundary_timestep(self) -> float | None:
+        """Deprecated: ``model.experts.boundary_timestep``."""
+        warnings.warn("model.boundary_timestep moved to model.experts.boundary_timestep (the old "
+                      "name goes in flowseam 0.3)", DeprecationWarning, stacklevel=2)
+        return self.experts.boundary_timestep
 
     # -- the solver --------------------------------------------------------------------------
     def schedule(self, params: DiffusionParams, latents: torch.Tensor) -> Schedule:

@@ -47,6 +47,11 @@ class SplitSupport:
     tokens: Callable[["DiffusionParams", Mapping[str, Mapping[str, Any]]],
                      tuple[int, int | None]] | None = None
 
+    def __post_init__(self) -> None:
+        if self.sequence is not None and self.tokens is None:
+            raise ValueError("SplitSupport: a card that splits its sequence says how many tokens "
+                             "a request makes (tokens=...)")
+
     def check_layout(self, parallel: Parallel, heads: Mapping[str, int], name: str,
                      any_heads: bool = False) -> None:
         """Refuse a layout this card cannot run, naming the numbers — from the DiT experts'
@@ -79,7 +84,7 @@ class SplitSupport:
             ``config.json`` before any weights load, or the loaded ones).
         :raises InvalidInputError: naming the numbers.
         """
-        if parallel.sp > 1 and self.tokens is not None:
+        if parallel.sp > 1 and self.sequence is not None:
             tokens, text_tokens = self.tokens(params, configs)
             check_split(parallel, heads=int(configs["transformer"]["num_attention_heads"]),
                         tokens=tokens, text_tokens=text_tokens, model=name, any_heads=any_heads)

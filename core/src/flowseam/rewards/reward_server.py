@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import FlowseamError, InvalidInputError
 from ..seam.discovery import claims
+from ..seam.reward_contract import modality as reward_modality
 from . import wire
 
 log = logging.getLogger("flowseam.rewards.reward_server")
@@ -125,7 +126,7 @@ def build_app(reward: Callable, name: str, *, max_batch: int = 64, api_key: str 
     from starlette.concurrency import run_in_threadpool
 
     origin = origin or {"plugin": "?", "distribution": "?", "version": "?"}
-    modality = getattr(reward, "modality", "video")
+    kind = reward_modality(reward)
     path = "/" + name
     lock = threading.Lock()  # one batch at a time through the reward
     counts = {"requests": 0, "samples": 0}
@@ -159,12 +160,12 @@ def build_app(reward: Callable, name: str, *, max_batch: int = 64, api_key: str 
         return None
 
     def description() -> dict[str, Any]:
-        return {"name": name, "modality": modality, **origin, "max_batch": max_batch,
-                "formats": list(wire.FORMATS) if modality != "audio" else ["safetensors"]}
+        return {"name": name, "modality": kind, **origin, "max_batch": max_batch,
+                "formats": list(wire.FORMATS) if kind != "audio" else ["safetensors"]}
 
     def scored(prompts: list[str], outputs_field: Any) -> dict | JSONResponse:
         """Decode the samples and score them (in a worker thread)."""
-        outputs = wire.decode_outputs(outputs_field, len(prompts), modality,
+        outputs = wire.decode_outputs(outputs_field, len(prompts), kind,
                                       max_values=max_body_bytes // 4)
         with lock:
             try:
@@ -268,7 +269,7 @@ def run(opts: RewardServeOptions) -> int:
 
     from ..quiet import quiet_libraries
     from ..serve.server import bind
-    from ..seam.rewards import get_reward
+    from ..seam.reward_contract import get_reward
 
     check_options(opts)
     origin = provenance(opts.reward)
@@ -304,7 +305,7 @@ def run(opts: RewardServeOptions) -> int:
                                                timeout_graceful_shutdown=10))
         shown = f"[{host}]" if ":" in host else host
         print(f"flowseam reward-serve: listening on http://{shown}:{port}/{opts.reward} | reward "
-              f"{opts.reward} ({getattr(reward, 'modality', 'video')}; plugin {origin['plugin']}, "
+              f"{opts.reward} ({reward_modality(reward)}; plugin {origin['plugin']}, "
               f"{origin['distribution']} {origin['version']})", flush=True)
         server.run(sockets=[sock])
     finally:

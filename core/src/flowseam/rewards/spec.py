@@ -28,7 +28,7 @@ from ..errors import (
     FlowseamError, InvalidInputError, PluginFaultError, RewardFaultError, RewardServerError,
 )
 from ..seam.faults import describe, is_out_of_memory
-from ..seam.rewards import make_reward, resolve_reward, reward_owner
+from ..seam.reward_contract import make_reward, modality, resolve_reward, reward_owner
 
 #: Seconds one reward call may take by default (``reward_timeout`` in a config).
 DEFAULT_REWARD_TIMEOUT = 600.0
@@ -69,7 +69,14 @@ class RewardComponent:
 
     @property
     def modality(self) -> str:
-        return getattr(self.fn, "modality", "video")
+        """What it scores (:func:`flowseam.seam.reward_contract.modality`).
+
+        :raises RewardFaultError: for a modality the contract does not have.
+        """
+        try:
+            return modality(self.fn)
+        except ValueError as exc:
+            raise self.fault(f"breaks the reward contract: {exc}") from None
 
     def who(self) -> str:
         if self.plugin == "remote":
@@ -463,7 +470,7 @@ def reward_input(reward, result) -> np.ndarray:
 
     :raises InvalidInputError: for an audio reward on a result without sound.
     """
-    if getattr(reward, "modality", "video") == "audio":
+    if modality(reward) == "audio":
         if result.audio is None:
             raise InvalidInputError(
                 f"reward {reward_name(reward)!r} scores audio, and "

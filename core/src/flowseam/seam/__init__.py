@@ -4,8 +4,8 @@ What a plugin may implement (:mod:`.hookspecs`) and return (:mod:`.declarations`
 found and kept from harming the host (:mod:`.discovery`, :mod:`.isolation`), the choice they
 resolve to in one process (:class:`Platform`, its :class:`KernelTable` and component builder),
 how their run-time faults are named (:mod:`.faults`), and the written contracts of the other
-plugin kinds: training methods (:mod:`.methods`) and rewards (:mod:`.rewards`), with how the ones
-plugins register are found.
+plugin kinds — training methods (:mod:`.method_contract`) and rewards (:mod:`.reward_contract`) —
+with how the ones plugins register are found.
 
 This package, :mod:`flowseam.ops` and :mod:`flowseam.testing` are the only parts of flowseam a
 backend imports (``tests/test_layout.py`` checks the in-repo ones). Importing it does not import
@@ -53,10 +53,10 @@ from ..errors import (
 )
 from .hookspecs import hookimpl
 from .kernels import BoundKernel, KernelTable
-from .methods import TrainingMethod, TrainingSummary, get_method, registered_methods
+from .method_contract import TrainingMethod, TrainingSummary, get_method, registered_methods
 from .notices import enable_notices, long_wait, notices_enabled
 from .platform import Platform
-from .rewards import RewardFunction, get_reward, registered_rewards
+from .reward_contract import RewardFunction, get_reward, registered_rewards
 
 __all__ = [
     "ACTIVATIONS", "Availability", "BackendInfo", "BackendUnavailableError", "BoundKernel",

@@ -19,9 +19,10 @@ from ..errors import CheckpointError, FlowseamError, InvalidInputError, Untruste
 #:   embedding per modality);
 #: * ``audio_vae``: LTX-2's audio autoencoder (latents ↔ mel spectrogram);
 #: * ``vocoder``: mel spectrogram → waveform (LTX-2's ``LTX2Vocoder``);
-#: * ``latent_upsampler``: LTX-2's ``LTX2LatentUpsamplerModel`` (video latents x2 spatially).
+#: * ``latent_upsampler``: LTX-2's ``LTX2LatentUpsamplerModel`` (video latents x2 spatially);
+#: * ``language_model``: the prompt refiner's causal LM (:mod:`flowseam.prompt_refiner`).
 KINDS = ("dit", "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor",
-         "text_connectors", "audio_vae", "vocoder", "latent_upsampler")
+         "text_connectors", "audio_vae", "vocoder", "latent_upsampler", "language_model")
 
 #: Kinds the loops run as ``torch.nn.Module`` (a builder must return a module for these).
 MODULE_KINDS = ("dit", "vae", "text_encoder", "image_encoder")

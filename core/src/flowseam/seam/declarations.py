@@ -28,7 +28,7 @@ class BackendInfo:
         if not isinstance(self.device, str) or not self.device.isidentifier():
             raise ValueError(
                 f"BackendInfo.device={self.device!r} must be an identifier like 'cuda'")
-        if not isinstance(self.priority, int):
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise ValueError(f"BackendInfo.priority={self.priority!r} must be an int")
 
 

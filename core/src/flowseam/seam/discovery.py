@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -24,9 +25,12 @@ from . import hookspecs
 from .. import ops
 from .declarations import Availability, BackendInfo, KernelRegistration
 from ..errors import InvalidInputError, PluginFaultError, PluginLoadError
+from .components import KINDS
 from .isolation import patch_watch, plugin_timeout, run_plugin_code
 
 ENTRY_POINT_GROUP = "flowseam.plugins"
+#: what a training method's or a reward's name may be
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 #: How many times entry points were scanned in this process (a rebuilt Platform must not scan).
 DISCOVERY_SCANS = 0
@@ -221,9 +225,9 @@ class PluginRegistry:
                 avail = Availability(True, "")
             if not (isinstance(avail, tuple) and len(avail) == 2 and isinstance(avail[0], bool)):
                 raise TypeError(f"flowseam_backend_available() returned {avail!r}; "
-                                "expected flowseam.Availability(ok: bool, reason: str)")
+                                "expected flowseam.seam.Availability(ok: bool, reason: str)")
             if not avail[0]:
-                rec.status, rec.reason = "unavailable", str(avail[1]) or "unavailable"
+                rec.status, rec.reason = "unavailable", str(avail[1] or "unavailable")
         if rec.backend is not None and rec.usable:
             rec.arch_chain = _arch_chain(self.call(rec, "flowseam_arch_chain"))
 
@@ -240,7 +244,7 @@ def _reject_unknown_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> N
 def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
     backend = reg.call(rec, "flowseam_backend")
     if backend is not None and not isinstance(backend, BackendInfo):
-        raise TypeError(f"flowseam_backend() returned {backend!r}; expected flowseam.BackendInfo")
+        raise TypeError(f"flowseam_backend() returned {backend!r}; expected flowseam.seam.BackendInfo")
     rec.backend = backend
 
     kernels = list(reg.call(rec, "flowseam_register_kernels") or ())
@@ -248,7 +252,7 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
     for k in kernels:
         if not isinstance(k, KernelRegistration):
             raise TypeError(f"flowseam_register_kernels() yielded {k!r}; "
-                            "expected flowseam.KernelRegistration")
+                            "expected flowseam.seam.KernelRegistration")
         if k.op not in ops.ALL_OPS:
             raise ValueError(
                 f"kernel for unknown op {k.op!r}; known ops are {list(ops.ALL_OPS)}")
@@ -261,6 +265,10 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
     rec.kernels = kernels
 
     kinds = tuple(_names(reg.call(rec, "flowseam_component_kinds"), "flowseam_component_kinds"))
+    unknown = sorted(k for k in kinds if k != "*" and k not in KINDS)
+    if unknown:
+        raise ValueError(f"flowseam_component_kinds() returned unknown kinds {unknown}; the kinds "
+                         f"are {list(KINDS)} (or '*', every kind)")
     if kinds and backend is None:
         raise ValueError("plugin declares component kinds but no backend (flowseam_backend)")
     rec.component_kinds = kinds
@@ -279,6 +287,13 @@ def _read_declarations(reg: PluginRegistry, rec: PluginRecord) -> None:
             f"flowseam_training_methods() returned {bad!r}; a method given by name is an import "
             "path 'package.module:Class'")
     rec.rewards = _named_mapping(reg.call(rec, "flowseam_rewards"), "flowseam_rewards")
+    for hook, found in (("flowseam_training_methods", rec.methods),
+                        ("flowseam_rewards", rec.rewards)):
+        bad = [n for n in found if not _NAME.fullmatch(n)]
+        if bad:
+            raise ValueError(f"{hook}() returned the names {bad}; a name is letters, digits, "
+                             "'_', '-' and '.', starting with a letter or a digit (no ':', which "
+                             "qualifies a name with its plugin)")
 
 
 def _dtype_table(result: Any) -> dict[str, tuple[str, ...]]:
@@ -386,18 +401,30 @@ def claims(attr: str) -> dict[str, list[tuple[PluginRecord, Any]]]:
 
 def registered_object(rec: PluginRecord, obj: Any) -> Any:
     """``obj`` itself, or for an import path ``"package.module:attr"`` (how a plugin registers a
-    method without importing it at discovery) the object it names.
+    method without importing it at discovery) the object it names, imported as discovery imports
+    a plugin: with its timeout, ``os._exit`` and ``sys.exit`` refused, and what it prints sent
+    to stderr (:func:`~flowseam.seam.isolation.run_plugin_code`).
 
     :raises PluginLoadError: naming the plugin and the path when it cannot be imported.
     """
     if not isinstance(obj, str):
         return obj
+    load = _entry_point_value_loader(rec.name, obj)  # resolved as an entry point's value
     try:
-        return _entry_point_value_loader(rec.name, obj)()  # resolved as an entry point's value
-    except Exception as exc:
+        with patch_watch(rec, f"importing {obj}"):
+            return run_plugin_code(load, f"importing {obj!r} of plugin {rec.name!r}",
+                                   plugin_timeout())
+    except (Exception, SystemExit) as exc:
         raise PluginLoadError(f"plugin {rec.name!r} ({rec.distribution} {rec.version}) registers "
                               f"{obj!r}, which cannot be imported: {type(exc).__name__}: "
                               f"{exc}", **_who(rec)) from exc
+
+
+def names(attr: str) -> list[str]:
+    """The names the usable plugins register as ``attr`` (a name two plugins register only
+    qualified, ``"<plugin>:<name>"``), without importing anything."""
+    return sorted(name if len(found) == 1 else f"{rec.name}:{name}"
+                  for name, found in claims(attr).items() for rec, _ in found)
 
 
 def registered(attr: str) -> dict[str, tuple[PluginRecord, Any]]:
@@ -428,8 +455,11 @@ def resolve(attr: str, what: str, name: str) -> tuple[PluginRecord, Any]:
             if rec.name == plugin:
                 return rec, registered_object(rec, obj)
     if name not in found:
+        broken = sorted(r.name for r in discover().broken())
         raise InvalidInputError(
-            f"unknown {what} {name!r}; registered {attr}: {sorted(registered(attr))}")
+            f"unknown {what} {name!r}; registered {attr}: {sorted(set(names(attr)))}"
+            + (f" (broken plugins, which may register more: {', '.join(broken)}; flowseam "
+               "backends says why)" if broken else ""))
     if len(found[name]) > 1:
         who = ", ".join(f"{rec.name!r} ({rec.distribution} {rec.version})"
                         for rec, _ in found[name])
@@ -529,6 +559,12 @@ def raise_if_broken(reg: PluginRegistry) -> None:
 
 
 _CACHE: PluginRegistry | None = None
+
+
+def scanned() -> bool:
+    """Whether this process has discovered the plugins (a worker given a platform by
+    :meth:`Platform.from_dict` never does)."""
+    return _CACHE is not None
 
 
 def discover(refresh: bool = False) -> PluginRegistry:

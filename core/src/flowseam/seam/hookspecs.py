@@ -5,7 +5,7 @@ A plugin is a module (or object) exposed under the ``flowseam.plugins`` entry-po
     [project.entry-points."flowseam.plugins"]
     mybackend = "flowseam_mybackend.plugin"
 
-whose functions are marked with :data:`flowseam.hookimpl`. Every hook is optional. Hooks are
+whose functions are marked with :data:`flowseam.seam.hookimpl`. Every hook is optional. Hooks are
 called once per plugin, one plugin at a time (the loader needs to know which plugin answered),
 while plugins are discovered and while a :class:`~flowseam.Platform` is built, never during
 denoising (``flowseam_conformance_expectations`` only by the conformance suite); ``firstresult``
@@ -40,7 +40,7 @@ def flowseam_backend() -> BackendInfo | None:
     Called once when the plugin is discovered. Plugins that only add training methods or
     rewards do not implement it.
 
-    :returns: a :class:`flowseam.BackendInfo` (``device``, ``priority``, ``description``), or
+    :returns: a :class:`flowseam.seam.BackendInfo` (``device``, ``priority``, ``description``), or
         None. The backend's name is the plugin's entry-point name. ``Platform.detect()`` picks
         the available backend with the highest ``priority`` (ties broken by name); the cpu
         backend declares priority 0.
@@ -57,7 +57,7 @@ def flowseam_backend_available() -> Availability | None:
     machine without the hardware: return ``Availability(False, "no CUDA device visible")``
     instead. An exception raised here marks the plugin ``broken`` (with its traceback).
 
-    :returns: a :class:`flowseam.Availability`; None means available.
+    :returns: a :class:`flowseam.seam.Availability`; None means available.
     """
 
 
@@ -88,7 +88,7 @@ def flowseam_register_kernels() -> Iterable[KernelRegistration] | None:
     of the same device registering the same (op, arch) are a conflict, won by the higher
     ``priority`` and then the smaller plugin name, and reported in ``platform.conflicts``.
 
-    :returns: an iterable of :class:`flowseam.KernelRegistration`, or None.
+    :returns: an iterable of :class:`flowseam.seam.KernelRegistration`, or None.
     """
 
 
@@ -182,12 +182,14 @@ def flowseam_training_methods() -> Mapping[str, Any] | None:
 
     firstresult: no — every plugin's methods are collected.
 
-    Called once at discovery. Values are classes (or factories) implementing the training-method
-    protocol, or their import paths (``"package.module:Class"``, an entry point's form), which
-    are imported when the method is first asked for (:func:`flowseam.training.get_method`):
-    discovery runs in every process that loads a model, and a path keeps the training code out
-    of the ones that only generate. Two plugins registering one name are a conflict, reported
-    like kernel conflicts.
+    Called once at discovery. Values are subclasses of :class:`flowseam.seam.TrainingMethod`
+    (the contract ``flowseam train`` runs a method by; anything else is the plugin's fault when
+    the method is asked for), or their import paths (``"package.module:Class"``, an entry
+    point's form), imported as discovery imports a plugin when the method is first asked for
+    (:func:`flowseam.seam.get_method`): discovery runs in every process that loads a model, and a
+    path keeps the training code out of the ones that only generate. A name is letters, digits,
+    ``_``, ``-`` and ``.``. Two plugins registering one name are a conflict, reported like
+    kernel conflicts.
 
     :returns: a mapping name → class or import path, or None.
     """
@@ -199,8 +201,9 @@ def flowseam_rewards() -> Mapping[str, Any] | None:
 
     firstresult: no — every plugin's rewards are collected.
 
-    Called once at discovery. A reward is a callable ``reward(prompts, outputs) -> Tensor (B,)``
-    (or a factory returning one).
+    Called once at discovery. A reward follows :class:`flowseam.seam.RewardFunction`
+    (``reward(prompts, outputs) -> Tensor (B,)``), or is a factory (a class) returning one,
+    called with the config's ``reward_args``. Names as for :func:`flowseam_training_methods`.
 
     :returns: a mapping name → reward, or None.
     """

@@ -22,7 +22,9 @@ from typing import Any
 
 from .components import MODULE_KINDS, ComponentRecord, ComponentSpec, module_dtype
 from .declarations import Provenance
-from ..errors import BackendUnavailableError, ComponentBuildError, FlowseamError, InvalidInputError
+from ..errors import (
+    BackendUnavailableError, ComponentBuildError, FlowseamError, InvalidInputError, PluginLoadError,
+)
 from .faults import component_fault, describe, is_out_of_memory
 from .isolation import patch_watch
 from .kernels import BoundKernel, KernelTable
@@ -60,8 +62,9 @@ class Platform:
 
     :param name: a backend's plugin name (``"cpu"``, ``"accel"``, ``"cuda"``) or its device name.
     :param registry: the plugin registry to use (default: :func:`flowseam.seam.discovery.discover`).
-    :raises BackendUnavailableError: if ``name`` is unknown, blocked, broken or unavailable; the
+    :raises BackendUnavailableError: if ``name`` is unknown, blocked or unavailable here; the
         message lists every backend and why each unusable one is unusable.
+    :raises PluginLoadError: if ``name`` is a broken plugin (its fault: it names the plugin).
     """
 
     def __init__(self, name: str, *, registry: PluginRegistry | None = None,
@@ -102,7 +105,12 @@ class Platform:
     @staticmethod
     def _find(reg: PluginRegistry, name: str) -> PluginRecord:
         rec = reg.records.get(name)
-        if rec is not None and not rec.usable:
+        if rec is not None and rec.status == "broken":  # its own fault, named (exit 3)
+            raise PluginLoadError(
+                f"flowseam backend {name!r} is broken ({rec.distribution} {rec.version}): "
+                f"{rec.reason}", plugin=rec.name, distribution=rec.distribution,
+                version=str(rec.version), what="backend")
+        if rec is not None and not rec.usable:  # unavailable here, or blocked: the user's
             raise BackendUnavailableError(
                 f"flowseam backend {name!r} is {rec.status}: {rec.reason}\nbackends:\n"
                 f"{_describe_backends(reg)}")
@@ -303,16 +311,27 @@ class Platform:
 
         :raises PluginLoadError: if a plugin of the platform cannot be imported here, or is
             installed here in another version.
-        :raises RuntimeError: if the same plugins at the same versions resolve other kernels
-            here: a bug in flowseam, not the user's input.
+        :raises PluginLoadError: if the same plugins resolve other kernels here (a plugin that
+            registers a kernel at this host's own arch rung, on another kind of host), naming
+            the plugins and the kernels.
         """
         reg = load_without_discovery(data["plugins"])
         arch = {d: tuple(a) for d, a in data["arch_chains"].items()}
         platform = cls(data["backend"], registry=reg, _arch_chains=arch)
         got = {op: k.impl_id for op, k in platform.kernels.resolved().items()}
-        if got != data["kernels"]:  # same plugins, same versions: resolution must agree
-            raise RuntimeError(f"rebuilt platform resolves {got}, expected {data['kernels']} "
-                               "(the same plugins and versions resolved other kernels: a bug)")
+        if got != data["kernels"]:  # a plugin registered other kernels here (another host)
+            differ = {op for op in set(got) | set(data["kernels"])
+                      if got.get(op) != data["kernels"].get(op)}
+            owners = sorted({i.split(":")[0] for op in differ
+                             for i in (got.get(op), data["kernels"].get(op)) if i})
+            raise PluginLoadError(
+                f"plugin(s) {', '.join(owners)} resolve other kernels in this process than where "
+                f"the platform was built: " + "; ".join(
+                    f"{op}: {got.get(op) or 'none'} here, {data['kernels'].get(op) or 'none'} "
+                    "there" for op in sorted(differ))
+                + " (a kernel registered at another host's arch rung, say); run the workers on "
+                "hosts like the driver's, or build the platform on one of them",
+                plugin=", ".join(owners), what="kernels")
         return platform
 
     def __reduce__(self):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..seam.methods import TrainingMethod, TrainingSummary, get_method, registered_methods
-from ..seam.rewards import get_reward, registered_rewards
+from ..seam.method_contract import TrainingMethod, TrainingSummary, get_method, registered_methods
+from ..seam.reward_contract import get_reward, registered_rewards
 
 
 def train(method: str, config: dict[str, Any], progress: bool = True) -> TrainingSummary:
     """Run training method ``method`` with ``config``; returns its summary
-    (:class:`~flowseam.seam.methods.TrainingSummary`)."""
+    (:class:`~flowseam.seam.method_contract.TrainingSummary`)."""
     return get_method(method)(config).run(progress=progress)
 
 

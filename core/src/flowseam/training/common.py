@@ -16,7 +16,7 @@ import torch
 
 from ..errors import FlowseamError, RewardServerError
 from ..models.instance import ModelInstance
-from ..seam.methods import TrainingMethod
+from ..seam.method_contract import TrainingMethod
 from .distributed import DataParallel, state_checksum
 from .checkpoint import (clean_temporaries, latest_checkpoint, load_checkpoint, rng_state,
                          save_checkpoint, set_rng_state)

@@ -210,8 +210,8 @@ class Finetune(SteppedMethod):
                                 f"{model.card.name} runs the {model.card.loops[0]} loop, which it "
                                 "does not implement (train causal checkpoints with flowgrpo)")
 
-    @staticmethod
-    def check_world_size(config: dict[str, Any], world_size: int) -> None:
+    @classmethod
+    def check_world_size(cls, config: dict[str, Any], world_size: int) -> None:
         """:raises FlowseamError: for an invalid config, or if ``batch_size`` does not split
         evenly over ``world_size`` ranks (checked by ``flowseam train --nproc`` before the ranks
         start)."""

@@ -78,7 +78,7 @@ class RolloutWorker:
 
         return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
                 "cpu_seconds": time.process_time(), "platform": self.platform.to_dict(),
-                "discovered_plugins": discovery._CACHE is not None}
+                "discovered_plugins": discovery.scanned()}
 
     def apply(self, update: "WeightUpdate") -> int:
         """Verify and apply one weight update; returns the version now held."""

@@ -190,8 +190,8 @@ class JointMultiRL(FlowGRPO):
         self.skipped_groups = 0
         self.warned_no_sde: set[str] = set()
 
-    @staticmethod
-    def check_world_size(config: dict[str, Any], world_size: int) -> None:
+    @classmethod
+    def check_world_size(cls, config: dict[str, Any], world_size: int) -> None:
         """:raises FlowseamError: for more than one rank (``flowseam train --nproc`` calls it
         before any rank starts)."""
         if world_size > 1:

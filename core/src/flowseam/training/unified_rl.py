@@ -256,8 +256,8 @@ class UnifiedRL(SteppedMethod):
         self.last_stats: dict[str, UpdateStats] = {}
         self.last_rollout = None
 
-    @staticmethod
-    def check_world_size(config: dict[str, Any], world_size: int) -> None:
+    @classmethod
+    def check_world_size(cls, config: dict[str, Any], world_size: int) -> None:
         """:raises FlowseamError: for more than one rank (``flowseam train --nproc`` calls it
         before any rank starts)."""
         if world_size > 1:

@@ -26,9 +26,28 @@ class RewardFunction(Protocol):
     :returns: one float score per sample, ``(B,)`` (a tensor, a numpy array or a list of numbers;
         ``(B, 1)`` is taken as ``(B,)``). NaN means "cannot score this sample": the method skips
         that sample's group. Raising, another shape or a non-number is a fault of the reward.
+
+    A reward that scores sound declares ``modality = "audio"`` (an attribute of the function or
+    the class); one that declares nothing scores video (:func:`modality`).
     """
 
     def __call__(self, prompts: list[str], outputs: Any) -> Any: ...
+
+
+#: what a reward may score (:func:`modality`)
+MODALITIES = ("video", "audio")
+
+
+def modality(reward: Any) -> str:
+    """What ``reward`` scores: its declared ``modality``, ``"video"`` when it declares none.
+
+    :raises ValueError: for a declared modality that is not one of :data:`MODALITIES`.
+    """
+    declared = getattr(reward, "modality", "video")  # optional in the contract
+    if declared not in MODALITIES:
+        raise ValueError(f"reward {reward!r:.60} declares modality={declared!r}; a reward scores "
+                         f"one of {MODALITIES}")
+    return declared
 
 
 def make_reward(key: str, obj: Any, args: Mapping[str, Any]) -> Any:
